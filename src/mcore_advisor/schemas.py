@@ -1,0 +1,234 @@
+"""Pydantic types that cross layers: the plan every tool accepts, and shared result pieces.
+
+Field names are Megatron-LM's argument names in snake_case, so `tensor_model_parallel_size`
+renders 1:1 to `--tensor-model-parallel-size`. Inputs are frozen and forbid unknown fields;
+derived values (data-parallel size, resolved model shape) are computed, never written back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_INPUT = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(BaseModel):
+    """A transformer's shape: a catalog `name`, explicit fields, or a name plus overrides.
+
+    Explicit fields override the catalog entry. Unset fields take Megatron's defaults when the
+    model is resolved (kv_channels = hidden/heads, num_query_groups = heads, ffn = 4h).
+    """
+
+    model_config = _INPUT
+
+    name: str | None = Field(None, description="Catalog key, e.g. 'llama3-70b' (see the models resource). Optional when every required shape field is given.")
+    num_layers: int | None = Field(None, ge=1, le=1024, description="Transformer layers (decoder blocks).")
+    hidden_size: int | None = Field(None, ge=1, le=131072, description="Model width h.")
+    num_attention_heads: int | None = Field(None, ge=1, le=1024, description="Attention heads n.")
+    num_query_groups: int | None = Field(None, ge=1, le=1024, description="K/V heads g for GQA; None = MHA (g = n). Megatron: --num-query-groups with --group-query-attention.")
+    kv_channels: int | None = Field(None, ge=1, le=4096, description="Head dim d; None = hidden_size / num_attention_heads.")
+    ffn_hidden_size: int | None = Field(None, ge=1, le=1048576, description="Dense MLP inner size f; None = 4 * hidden_size.")
+    vocab_size: int | None = Field(None, ge=1, le=4_000_000, description="Tokenizer vocabulary V before padding (padded to make_vocab_size_divisible_by * TP as Megatron does).")
+    make_vocab_size_divisible_by: int = Field(128, ge=1, le=65536, description="Megatron pads the vocab to a multiple of this times TP.")
+    seq_length_max: int | None = Field(None, ge=1, description="Context length the model was trained for (informational; the run's seq_length is in training).")
+    swiglu: bool | None = Field(None, description="Gated SiLU MLP (3 matrices, f per gate) instead of 2-matrix GeLU.")
+    normalization: Literal["LayerNorm", "RMSNorm"] | None = Field(None, description="Norm type.")
+    add_bias_linear: bool | None = Field(None, description="Biases in linear layers (GPT-3 style); Llama-style models have none.")
+    untie_embeddings_and_output_weights: bool | None = Field(None, description="Separate input embedding and output layer (two V*h matrices).")
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] | None = Field(None, description="Position embedding.")
+    num_experts: int | None = Field(None, ge=1, le=4096, description="Routed experts E per MoE layer; None = dense model. Megatron: --num-experts.")
+    moe_router_topk: int | None = Field(None, ge=1, le=64, description="Experts k each token is routed to.")
+    moe_ffn_hidden_size: int | None = Field(None, ge=1, description="Inner size of one routed expert; None = ffn_hidden_size.")
+    moe_shared_expert_intermediate_size: int | None = Field(None, ge=1, description="Total inner size of the shared expert(s); None = no shared expert.")
+    moe_layer_freq: int | list[int] | None = Field(None, description="1 = every layer is MoE; N = every Nth; or a 0/1 list of length num_layers. Megatron: --moe-layer-freq.")
+    multi_latent_attention: bool | None = Field(None, description="DeepSeek MLA instead of MHA/GQA.")
+    q_lora_rank: int | None = Field(None, ge=1, description="MLA query low-rank; None = no query compression.")
+    kv_lora_rank: int | None = Field(None, ge=1, description="MLA key/value low-rank r_kv.")
+    qk_head_dim: int | None = Field(None, ge=1, description="MLA per-head Q/K dim without RoPE part.")
+    qk_pos_emb_head_dim: int | None = Field(None, ge=0, description="MLA per-head RoPE dim.")
+    v_head_dim: int | None = Field(None, ge=1, description="MLA per-head V dim.")
+    mtp_num_layers: int | None = Field(None, ge=0, le=16, description="Multi-token-prediction layers; None/0 = off.")
+
+
+class ClusterSpec(BaseModel):
+    """Where the run goes: GPU type and count."""
+
+    model_config = _INPUT
+
+    gpu: str = Field("h100-sxm", description="GPU catalog key, e.g. 'h100-sxm', 'h200', 'a100-80gb' (see the hardware resource).")
+    num_gpus: int = Field(8, ge=1, le=1_048_576, description="Total GPUs (world size).")
+    gpus_per_node: int | None = Field(None, ge=1, le=72, description="GPUs per node (NVLink domain); None = the GPU's catalog default.")
+    nvlink_bandwidth_gbps: float | None = Field(None, gt=0, description="Override: unidirectional NVLink bandwidth per GPU, GB/s.")
+    scaleout_bandwidth_gbps: float | None = Field(None, gt=0, description="Override: unidirectional inter-node bandwidth per GPU, GB/s (e.g. 50 for 400 Gb/s IB).")
+    gpu_memory_gib: float | None = Field(None, gt=0, description="Override: usable HBM per GPU, GiB.")
+
+
+class TrainingSpec(BaseModel):
+    """Batch and precision."""
+
+    model_config = _INPUT
+
+    seq_length: int = Field(4096, ge=1, le=4_194_304, description="Tokens per sample s.")
+    global_batch_size: int = Field(128, ge=1, description="Samples per optimizer step B.")
+    micro_batch_size: int = Field(1, ge=1, le=4096, description="Samples per forward pass per model replica b.")
+    precision: Literal["bf16", "fp8"] = Field("bf16", description="bf16 mixed precision, or FP8 GEMMs via Transformer Engine (Hopper or newer).")
+    fp8_format: Literal["hybrid", "e4m3"] = Field("hybrid", description="TE FP8 format when precision=fp8 (--fp8-format).")
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = Field("delayed", description="FP8 scaling recipe (--fp8-recipe); mxfp8 needs Blackwell.")
+    fp8_param_gather: bool = Field(False, description="Keep FP8 copies of weights and all-gather them in FP8 (--fp8-param-gather).")
+
+
+class ParallelismSpec(BaseModel):
+    """Model-parallel layout. Data-parallel size is derived: num_gpus / (TP * PP * CP)."""
+
+    model_config = _INPUT
+
+    tensor_model_parallel_size: int = Field(1, ge=1, le=1024, description="TP degree.")
+    pipeline_model_parallel_size: int = Field(1, ge=1, le=1024, description="PP degree (stages).")
+    virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1, le=128, description="Model chunks per PP stage for the interleaved schedule; None = not interleaved. Ignored (warning) when PP = 1.")
+    context_parallel_size: int = Field(1, ge=1, le=1024, description="CP degree: the sequence split across GPUs (ring attention).")
+    expert_model_parallel_size: int = Field(1, ge=1, le=4096, description="EP degree: experts split across GPUs.")
+    expert_tensor_parallel_size: int | None = Field(None, ge=1, le=1024, description="TP degree inside experts; None = tensor_model_parallel_size (Megatron's default).")
+    sequence_parallel: bool = Field(False, description="Shard norms/dropout activations over TP (needs TP > 1).")
+    use_distributed_optimizer: bool = Field(True, description="Shard fp32 master weights and Adam state over data-parallel ranks (ZeRO-1).")
+    recompute_granularity: Literal["selective", "full"] | None = Field(None, description="Activation recomputation: None, 'selective' (core attention and the modules in recompute_modules), or 'full' (whole layers).")
+    recompute_method: Literal["uniform", "block"] | None = Field(None, description="With full recompute: 'uniform' (groups of recompute_num_layers) or 'block' (the first recompute_num_layers layers of each stage).")
+    recompute_num_layers: int | None = Field(None, ge=1, description="With full recompute: layers per group (uniform) or layers recomputed per stage (block).")
+    recompute_modules: list[Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"]] | None = Field(None, description="With selective recompute: modules recomputed; None = Megatron's default ['core_attn'].")
+    overlap_grad_reduce: bool = Field(True, description="Overlap DP gradient reduce-scatter with backward.")
+    overlap_param_gather: bool = Field(True, description="Overlap distributed-optimizer parameter all-gather with forward.")
+    tp_comm_overlap: bool = Field(False, description="TE userbuffers overlap of TP/SP communication with GEMMs (needs TE and SP).")
+
+
+class ImplementationSpec(BaseModel):
+    """Implementation choices that change memory and speed, under Megatron's names."""
+
+    model_config = _INPUT
+
+    transformer_impl: Literal["transformer_engine", "local"] = Field("transformer_engine", description="Layer spec: TE fused modules, or Megatron's local modules.")
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = Field("auto", description="Core attention kernel (--attention-backend). 'unfused' and 'local' store the s*s score matrix.")
+    grad_reduce_in_fp32: bool = Field(True, description="Gradient buffers and reduction in fp32 (4 B/param) instead of bf16 (2 B/param).")
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = Field("alltoall", description="MoE token dispatcher.")
+    moe_grouped_gemm: bool = Field(True, description="Grouped GEMM for the local experts.")
+    cross_entropy_loss_fusion: bool = Field(True, description="Fused vocab-parallel cross entropy (no fp32 logits copy).")
+    expandable_segments: bool = Field(False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: far less allocator fragmentation.")
+    use_torch_fsdp2: bool = Field(False, description="Megatron-FSDP / torch FSDP2 instead of DDP + distributed optimizer (not modelled in detail).")
+
+
+class Plan(BaseModel):
+    """A complete training plan: the object every tool accepts and recommend_parallelism returns."""
+
+    model_config = _INPUT
+
+    model: ModelSpec = Field(description="Model shape (catalog name and/or explicit fields).")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="GPU type and count.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="Sequence, batch and precision.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel layout.")
+    implementation: ImplementationSpec = Field(default_factory=ImplementationSpec, description="Kernels and buffers.")
+
+
+class ModelShape(BaseModel):
+    """A model with every shape field resolved (catalog entry + overrides + Megatron defaults)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str | None
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    make_vocab_size_divisible_by: int
+    swiglu: bool
+    normalization: Literal["LayerNorm", "RMSNorm"]
+    add_bias_linear: bool
+    untie_embeddings_and_output_weights: bool
+    position_embedding_type: Literal["rope", "learned_absolute", "none"]
+    num_experts: int | None
+    moe_router_topk: int
+    moe_ffn_hidden_size: int
+    moe_shared_expert_intermediate_size: int
+    moe_layer_pattern: tuple[int, ...] = Field(description="1 where layer i is MoE, 0 where dense; all 0 for dense models.")
+    multi_latent_attention: bool
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+    mtp_num_layers: int
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts) and any(self.moe_layer_pattern)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layer_pattern)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Megatron's _vocab_size_with_padding: round V up to a multiple of divisor * TP."""
+        m = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // m) * m
+
+
+Severity = Literal["error", "warning", "info"]
+
+
+class Finding(BaseModel):
+    """One validation result. Errors block a plan; warnings and info explain."""
+
+    model_config = ConfigDict(frozen=True)
+
+    code: str = Field(description="Stable identifier, e.g. 'heads_not_divisible_by_tp'.")
+    severity: Severity
+    fields: list[str] = Field(description="Dotted plan fields involved, e.g. ['parallelism.tensor_model_parallel_size'].")
+    message: str
+    fix: str | None = Field(None, description="A concrete change that resolves it.")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelDims:
+    """Resolved parallel degrees of one plan (internal to the core)."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    etp: int
+    vp: int  # 1 when not interleaved
+    world: int
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel size of expert parameters: world / (ETP * EP * PP)."""
+        return self.world // (self.etp * self.ep * self.pp)
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+def parallel_dims(plan: Plan) -> ParallelDims:
+    """Derive DP from the world size. Divisibility is the validators' job; this floors."""
+    p = plan.parallelism
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    world = plan.cluster.num_gpus
+    return ParallelDims(
+        tp=tp,
+        pp=pp,
+        dp=max(1, world // (tp * pp * cp)),
+        cp=cp,
+        ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size or tp,
+        vp=(p.virtual_pipeline_model_parallel_size or 1) if pp > 1 else 1,
+        world=world,
+    )
