@@ -88,6 +88,8 @@ class ParallelismSpec(BaseModel):
     tensor_model_parallel_size: int = Field(1, ge=1, le=1024, description="TP degree.")
     pipeline_model_parallel_size: int = Field(1, ge=1, le=1024, description="PP degree (stages).")
     virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1, le=128, description="Model chunks per PP stage for the interleaved schedule; None = not interleaved. Ignored (warning) when PP = 1.")
+    decoder_first_pipeline_num_layers: int | None = Field(None, ge=0, description="Layers on the first PP stage when the split is uneven (e.g. 126 layers on PP16); None = even split. The remaining layers split evenly over the other stages.")
+    decoder_last_pipeline_num_layers: int | None = Field(None, ge=0, description="Layers on the last PP stage when the split is uneven; None = even split.")
     context_parallel_size: int = Field(1, ge=1, le=1024, description="CP degree: the sequence split across GPUs (ring attention).")
     expert_model_parallel_size: int = Field(1, ge=1, le=4096, description="EP degree: experts split across GPUs.")
     expert_tensor_parallel_size: int | None = Field(None, ge=1, le=1024, description="TP degree inside experts; None = tensor_model_parallel_size (Megatron's default).")
@@ -232,3 +234,27 @@ def parallel_dims(plan: Plan) -> ParallelDims:
         vp=(p.virtual_pipeline_model_parallel_size or 1) if pp > 1 else 1,
         world=world,
     )
+
+
+def layers_per_stage(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Decoder layers on each PP stage, as Megatron splits them (get_num_layers_to_build).
+
+    Even split unless decoder_first/last_pipeline_num_layers are set; then the middle stages share the
+    rest evenly. Raises ValueError when the split is impossible (the validators report it with a fix).
+    """
+    if pp == 1:
+        return [num_layers]
+    if first is None and last is None:
+        if num_layers % pp:
+            raise ValueError(f"num_layers ({num_layers}) is not divisible by pipeline_model_parallel_size ({pp})")
+        return [num_layers // pp] * pp
+    middle_stages = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if middle_stages == 0:
+        if rest:
+            raise ValueError(f"first + last stage layers must equal num_layers ({num_layers}) when PP = 2")
+        return [first or 0, last or 0]
+    if rest < 0 or rest % middle_stages:
+        raise ValueError(f"{rest} remaining layers cannot be split evenly over {middle_stages} middle stages")
+    per = rest // middle_stages
+    return ([first] if first is not None else []) + [per] * middle_stages + ([last] if last is not None else [])
