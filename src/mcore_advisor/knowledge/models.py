@@ -1,9 +1,15 @@
-"""Model catalog and resolution of a ModelSpec into a fully specified ModelShape."""
+"""Model catalog, resolution of a ModelSpec into a fully specified ModelShape, and parameter counts.
+
+Catalog entries (data/models.json) carry each model's published architecture with its source and
+its published total (and, for MoE, active) parameter count, which tests compare with
+`count_params` as a check on both the catalog and the counting.
+"""
 
 from __future__ import annotations
 
+import difflib
 import json
-from functools import cache
+from functools import cache, lru_cache
 from importlib import resources
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,15 +41,29 @@ def _norm(name: str) -> str:
     return name.strip().lower().replace("_", "-").replace(" ", "-")
 
 
+@cache
+def _name_index() -> dict[str, str]:
+    """Normalized key or alias -> catalog key (built once; lookups run inside search loops)."""
+    index: dict[str, str] = {}
+    for m in model_catalog().values():
+        for n in (m.key, *m.aliases):
+            index.setdefault(_norm(n), m.key)
+    return index
+
+
 def catalog_model(name: str) -> CatalogModel:
-    """Look up by key or alias (case-insensitive); KeyError names close matches."""
+    """Look up by key or alias (case-insensitive, '_' = '-'); KeyError lists close matches and every key."""
     cat = model_catalog()
     n = _norm(name)
-    for m in cat.values():
-        if n == m.key or n in (_norm(a) for a in m.aliases):
-            return m
-    close = [k for k in cat if n.split("-")[0] in k][:8] or sorted(cat)[:12]
-    raise KeyError(f"unknown model {name!r}; known include: {', '.join(close)} (or give num_layers, hidden_size, num_attention_heads, vocab_size explicitly)")
+    key = _name_index().get(n)
+    if key is not None:
+        return cat[key]
+    close = difflib.get_close_matches(n, list(_name_index()), n=5, cutoff=0.6)
+    hint = f"closest: {', '.join(close)}; " if close else ""
+    raise KeyError(
+        f"unknown model {name!r} (model.name); {hint}known: {', '.join(sorted(cat))} "
+        "(or give num_layers, hidden_size, num_attention_heads, vocab_size explicitly)"
+    )
 
 
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
@@ -53,7 +73,14 @@ def resolve_model(spec: ModelSpec) -> ModelShape:
     """Catalog entry (if named) + explicit overrides + Megatron's defaults -> ModelShape.
 
     Raises KeyError for an unknown name and ValueError naming a missing required field.
+    Cached on the spec's content: the recommender resolves the same spec many times.
     """
+    return _resolve_cached(spec.model_dump_json())
+
+
+@lru_cache(maxsize=4096)
+def _resolve_cached(spec_json: str) -> ModelShape:
+    spec = ModelSpec.model_validate_json(spec_json)
     base: dict = {}
     if spec.name:
         base = catalog_model(spec.name).spec.model_dump(exclude_none=True)
@@ -104,3 +131,138 @@ def resolve_model(spec: ModelSpec) -> ModelShape:
         v_head_dim=base.get("v_head_dim", 128) if mla else d,
         mtp_num_layers=base.get("mtp_num_layers", 0) or 0,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter counts
+# ---------------------------------------------------------------------------------------------
+
+
+class ParamCounts(BaseModel):
+    """Parameters of a resolved model by part, as Megatron-Core builds it (unpadded vocab).
+
+    Per-layer parts are summed over all decoder layers; `mtp` holds the MTP modules (their
+    transformer layer, eh-projection and norms; the embedding and output layer are shared with
+    the main model). Active = what one token touches: every non-expert parameter plus top-k
+    routed experts (embedding and output layer included).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    embedding: int = Field(description="Word embedding V*h (+ learned position embedding s*h).")
+    attention: int = Field(description="Q/K/V (or MLA down/up) and output projections incl. biases and MLA's internal norms.")
+    dense_mlp: int = Field(description="Dense MLP layers (fc1 incl. the SwiGLU gate, fc2, biases).")
+    moe_routed: int = Field(description="All routed experts of all MoE layers.")
+    moe_routed_active: int = Field(description="The top-k routed experts one token uses, all MoE layers.")
+    moe_shared: int = Field(description="Shared expert(s), all MoE layers.")
+    router: int = Field(description="Router weights (h*E, + E biases with add_bias_linear), all MoE layers.")
+    norms: int = Field(description="Pre-attention and pre-MLP norms of every layer plus the final norm.")
+    output: int = Field(description="Separate output layer V*h when embeddings are untied, else 0.")
+    mtp: int = Field(description="Multi-token-prediction modules (0 when not counted or absent).")
+
+    @property
+    def total(self) -> int:
+        return (
+            self.embedding + self.attention + self.dense_mlp + self.moe_routed + self.moe_shared
+            + self.router + self.norms + self.output + self.mtp
+        )
+
+    @property
+    def active(self) -> int:
+        return self.total - self.moe_routed + self.moe_routed_active
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding - self.output
+
+
+def _norm_params(shape: ModelShape, width: int) -> int:
+    # LayerNorm has weight and bias, RMSNorm only a weight.
+    return width * (2 if shape.normalization == "LayerNorm" else 1)
+
+
+def attention_params_per_layer(shape: ModelShape) -> int:
+    """One attention block's parameters (without its pre-norm).
+
+    MHA/GQA: Q (h x n*d), K and V (h x g*d each), output (n*d x h), biases with add_bias_linear.
+    MLA (DeepSeek-V2/V3, Megatron `MLASelfAttention`): q down (h x r_q) + q norm (r_q) + q up
+    (r_q x n*(d_qk+d_rope)), or one h x n*(d_qk+d_rope) without q-LoRA; kv down
+    (h x (r_kv+d_rope)) + kv norm (r_kv) + kv up (r_kv x n*(d_qk+d_v)); output (n*d_v x h).
+    """
+    h, n = shape.hidden_size, shape.num_attention_heads
+    if shape.multi_latent_attention:
+        dq = shape.qk_head_dim + shape.qk_pos_emb_head_dim
+        r_q, r_kv = shape.q_lora_rank, shape.kv_lora_rank
+        q = h * r_q + _norm_params(shape, r_q) + r_q * n * dq if r_q else h * n * dq
+        kv = h * (r_kv + shape.qk_pos_emb_head_dim) + _norm_params(shape, r_kv) + r_kv * n * (shape.qk_head_dim + shape.v_head_dim)
+        out = n * shape.v_head_dim * h
+        bias = (n * dq + h) if shape.add_bias_linear else 0
+        return q + kv + out + bias
+    d, g = shape.kv_channels, shape.num_query_groups
+    q_out = 2 * h * n * d
+    kv = 2 * h * g * d
+    bias = (n * d + 2 * g * d + h) if shape.add_bias_linear else 0
+    return q_out + kv + bias
+
+
+def mlp_params(shape: ModelShape, ffn: int) -> int:
+    """One MLP of inner size `ffn`: fc1 (h x f, x2 with the SwiGLU gate), fc2 (f x h), biases."""
+    h = shape.hidden_size
+    gates = 2 if shape.swiglu else 1
+    bias = (gates * ffn + h) if shape.add_bias_linear else 0
+    return (gates + 1) * h * ffn + bias
+
+
+@lru_cache(maxsize=1024)
+def param_counts(shape: ModelShape, seq_length: int | None = None, include_mtp: bool = True) -> ParamCounts:
+    """Count parameters part by part; see `ParamCounts` for what each part holds.
+
+    `seq_length` sizes the learned absolute position embedding (ignored for RoPE); published
+    totals usually exclude MTP modules (DeepSeek-V3: 671B without, 685B with), hence
+    `include_mtp`. Qwen3's per-head q/k norms (2*d per layer) and GPT-OSS's attention sinks
+    (n per layer) are not in ModelShape and not counted (< 0.001% of those models).
+    Derivation: Megatron-Core GPTModel + TransformerLayer modules; cross-checked against
+    megatron/training/theoretical_memory_usage.py (see shared/reference/estimators.md §1a).
+    """
+    h, V, E = shape.hidden_size, shape.vocab_size, shape.num_experts or 0
+    embedding = V * h
+    if shape.position_embedding_type == "learned_absolute" and seq_length:
+        embedding += seq_length * h
+    attn = attention_params_per_layer(shape)
+    layer_norms = 2 * _norm_params(shape, h)
+    n_moe = shape.num_moe_layers if E else 0
+    n_dense = shape.num_layers - n_moe
+    dense = mlp_params(shape, shape.ffn_hidden_size)
+    expert = mlp_params(shape, shape.moe_ffn_hidden_size) if E else 0
+    shared = mlp_params(shape, shape.moe_shared_expert_intermediate_size) if E and shape.moe_shared_expert_intermediate_size else 0
+    router = (h * E + (E if shape.add_bias_linear else 0)) if E else 0
+    mtp = 0
+    if include_mtp and shape.mtp_num_layers:
+        # Megatron MTP: a layer of the last decoder layer's type, enorm + hnorm, eh_proj (2h x h),
+        # and a final norm; embedding and output layer are shared with the main model.
+        last_is_moe = bool(E) and shape.moe_layer_pattern[-1] == 1
+        layer = attn + layer_norms + ((E * expert + shared + router) if last_is_moe else dense)
+        mtp = shape.mtp_num_layers * (layer + 2 * h * h + 3 * _norm_params(shape, h))
+    return ParamCounts(
+        embedding=embedding,
+        attention=attn * shape.num_layers,
+        dense_mlp=dense * n_dense,
+        moe_routed=E * expert * n_moe,
+        moe_routed_active=shape.moe_router_topk * expert * n_moe,
+        moe_shared=shared * n_moe,
+        router=router * n_moe,
+        norms=layer_norms * shape.num_layers + _norm_params(shape, h),
+        output=V * h if shape.untie_embeddings_and_output_weights else 0,
+        mtp=mtp,
+    )
+
+
+def count_params(shape: ModelShape, seq_length: int | None = None, include_mtp: bool = True) -> int:
+    """Total parameters of a resolved model (embeddings, attention incl. GQA/MLA, MLP incl. SwiGLU,
+    MoE experts/router/shared experts, norms, untied output, MTP modules unless excluded)."""
+    return param_counts(shape, seq_length, include_mtp).total
+
+
+def count_active_params(shape: ModelShape, seq_length: int | None = None, include_mtp: bool = False) -> int:
+    """Parameters one token uses: all non-expert parameters plus its top-k routed experts."""
+    return param_counts(shape, seq_length, include_mtp).active
