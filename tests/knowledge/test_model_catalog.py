@@ -186,3 +186,14 @@ def test_resolution_is_cached_for_repeated_specs():
     a = resolve_model(ModelSpec(name="llama3-70b"))
     b = resolve_model(ModelSpec(name="llama3-70b"))
     assert a is b
+
+
+def test_swiglu_default_ffn_is_megatrons_two_thirds_of_4h_rounded_to_64():
+    # Megatron-LM arguments.py validate_args: int((4 * h * 2 / 3) / 64) * 64 when --swiglu has no --ffn-hidden-size
+    from mcore_advisor.knowledge.models import resolve_model
+    from mcore_advisor.schemas import ModelSpec
+
+    shape = resolve_model(ModelSpec(num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=1000, swiglu=True))
+    assert shape.ffn_hidden_size == 10880  # 4*4096*2/3 = 10922.7 -> 170 * 64
+    plain = resolve_model(ModelSpec(num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=1000))
+    assert plain.ffn_hidden_size == 16384

@@ -100,7 +100,10 @@ def _resolve_cached(spec_json: str) -> ModelShape:
     else:
         # Megatron: layer i is MoE when i % freq == 0
         pattern = tuple(1 if i % freq == 0 else 0 for i in range(L))
-    ffn = base.get("ffn_hidden_size", 4 * h)
+    # Megatron-LM validate_args: with --swiglu and no --ffn-hidden-size, ffn = int(8h/3 / 64) * 64
+    # (two input projections, so the 4h MLP's parameter count is kept); TransformerConfig: 4h otherwise.
+    default_ffn = int((4 * h * 2 / 3) / 64) * 64 if base.get("swiglu") else 4 * h
+    ffn = base.get("ffn_hidden_size", default_ffn)
     mla = bool(base.get("multi_latent_attention", False))
     d = base.get("kv_channels", h // n)
     return ModelShape(

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 
 from mcp.server import MCPServer
+from pydantic_core import to_jsonable_python
 
+from mcore_advisor.knowledge.claims import seed_claims
 from mcore_advisor.knowledge.hardware import gpu_catalog
-from mcore_advisor.knowledge.models import model_catalog
+from mcore_advisor.knowledge.models import catalog_model, model_catalog
+from mcore_advisor.knowledge.runs import published_runs, sources
 
 FLOP_CONVENTIONS = {
     "causal": (
@@ -24,7 +27,7 @@ FLOP_CONVENTIONS = {
 
 
 def _dump(obj) -> str:
-    return json.dumps(obj, indent=1, default=str)
+    return json.dumps(to_jsonable_python(obj), indent=1)
 
 
 def register_resources(mcp: MCPServer) -> None:
@@ -41,8 +44,6 @@ def register_resources(mcp: MCPServer) -> None:
     @mcp.resource("mcore://models/{key}", mime_type="application/json")
     def model(key: str) -> str:
         """One catalog model by key, e.g. mcore://models/llama3-70b."""
-        from mcore_advisor.knowledge.models import catalog_model
-
         return _dump(catalog_model(key).model_dump(exclude_none=True))
 
     @mcp.resource("mcore://flop-conventions", mime_type="application/json")
@@ -50,27 +51,15 @@ def register_resources(mcp: MCPServer) -> None:
         """The two FLOP conventions every TFLOP/s and MFU figure is labelled with."""
         return _dump(FLOP_CONVENTIONS)
 
-    try:
-        from mcore_advisor.knowledge.runs import published_runs
-    except ImportError:
-        published_runs = None
-    if published_runs is not None:
+    @mcp.resource("mcore://published-runs", mime_type="application/json")
+    def runs() -> str:
+        """Published measured Megatron runs with layouts, TFLOP/s, MFU, tokens/s, FLOP convention and provenance."""
+        return _dump({"sources": sources(), "runs": [r.model_dump() for r in published_runs()]})
 
-        @mcp.resource("mcore://published-runs", mime_type="application/json")
-        def runs() -> str:
-            """Published measured Megatron runs with layouts, TFLOP/s, MFU, tokens/s, FLOP convention and provenance."""
-            return _dump([r.model_dump() for r in published_runs()])
-
-    try:
-        from mcore_advisor.knowledge.claims import seed_claims
-    except ImportError:
-        seed_claims = None
-    if seed_claims is not None:
-
-        @mcp.resource("mcore://seed-claims", mime_type="application/json")
-        def claims() -> str:
-            """Numeric claims from the seed documents with a verdict (holds / wrong / ...) and why."""
-            return _dump([c.model_dump() for c in seed_claims()])
+    @mcp.resource("mcore://seed-claims", mime_type="application/json")
+    def claims() -> str:
+        """Numeric claims from the seed documents with a verdict (holds / wrong / misleading / unverifiable) and why."""
+        return _dump([c.model_dump() for c in seed_claims()])
 
 
 def register_prompts(mcp: MCPServer) -> None:

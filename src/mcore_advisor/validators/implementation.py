@@ -1,0 +1,368 @@
+"""Implementation choices: layer spec, attention kernel, overlap switches, FSDP2, MoE dispatch."""
+
+from __future__ import annotations
+
+import math
+
+from ._core import (
+    ATTENTION_BACKEND,
+    CP,
+    DISPATCHER,
+    DIST_OPT,
+    EP,
+    ETP,
+    FSDP2,
+    GIB,
+    GROUPED_GEMM,
+    MBS,
+    OVERLAP_GRAD_REDUCE,
+    OVERLAP_PARAM_GATHER,
+    PP,
+    SEQ,
+    SP,
+    TP,
+    TP_COMM_OVERLAP,
+    TRANSFORMER_IMPL,
+    Ctx,
+    gib,
+    rule,
+)
+
+AREA = "implementation"
+
+
+def _local(c: Ctx) -> bool:
+    return c.transformer_impl == "local"
+
+
+@rule(
+    "sequence_parallel_needs_te_norm",
+    "error",
+    AREA,
+    "the local spec's torch norm cannot do SP",
+    when=lambda c: _local(c) and c.sp_effective,
+)
+def _local_sp(c: Ctx):
+    # The local spec uses Apex FusedLayerNorm when Apex is installed, else WrappedTorchNorm, which
+    # asserts "sequence parallel not supported by torch LayerNorm" (transformer/torch_norm.py;
+    # reproduced in shared/reference/megatron-core-cpu.md).
+    return (
+        [SP, TRANSFORMER_IMPL],
+        "sequence parallel not supported by torch LayerNorm: transformer_impl local builds WrappedTorchNorm "
+        "unless Apex is installed",
+        "set implementation.transformer_impl to transformer_engine, or parallelism.sequence_parallel false "
+        "(or install Apex for the local spec)",
+    )
+
+
+@rule(
+    "context_parallel_needs_te_attention",
+    "error",
+    AREA,
+    "CP runs in Transformer Engine's attention",
+    when=lambda c: c.cp > 1 and (_local(c) or c.attention_backend == "local"),
+)
+def _cp_te(c: Ctx):
+    # Megatron-Core DotProductAttention (local spec / attention_backend local) asserts
+    # "Context parallelism is only supported by TEDotProductAttention!".
+    return (
+        [CP, TRANSFORMER_IMPL, ATTENTION_BACKEND],
+        "Context parallelism is only supported by TEDotProductAttention! "
+        f"(context_parallel_size {c.cp} with transformer_impl {c.transformer_impl}, attention_backend "
+        f"{c.attention_backend})",
+        "set implementation.transformer_impl transformer_engine and attention_backend auto/flash/fused, or "
+        "parallelism.context_parallel_size 1",
+    )
+
+
+@rule(
+    "context_parallel_with_unfused_attention",
+    "error",
+    AREA,
+    "TE's unfused attention has no CP",
+    when=lambda c: c.cp > 1 and not _local(c) and c.attention_backend == "unfused",
+)
+def _cp_unfused(c: Ctx):
+    # Transformer Engine get_attention_backend disables UnfusedDotProductAttention under context
+    # parallelism; with NVTE_UNFUSED_ATTN the only backend allowed, none is left.
+    return (
+        [CP, ATTENTION_BACKEND],
+        f"context_parallel_size {c.cp} needs Transformer Engine's flash or fused (cuDNN) attention; "
+        "its unfused attention does not support context parallelism",
+        "set implementation.attention_backend to auto, flash or fused",
+    )
+
+
+@rule(
+    "attention_backend_local_needs_local_spec",
+    "error",
+    AREA,
+    "attention_backend local is the local spec's attention",
+    when=lambda c: c.attention_backend == "local" and not _local(c),
+)
+def _backend_local(c: Ctx):
+    # Megatron-LM validate_args: "--attention-backend local is only supported with --spec local".
+    return (
+        [ATTENTION_BACKEND, TRANSFORMER_IMPL],
+        "--attention-backend local is only supported with the local spec (transformer_impl local)",
+        "set implementation.attention_backend to auto (or unfused for TE's unfused kernel), or "
+        "transformer_impl local",
+    )
+
+
+@rule(
+    "attention_backend_ignored_by_local_spec",
+    "warning",
+    AREA,
+    "TE attention backends do nothing in the local spec",
+    when=lambda c: _local(c) and c.attention_backend in ("flash", "fused", "unfused"),
+)
+def _backend_ignored(c: Ctx):
+    # attention_backend selects Transformer Engine's kernel (NVTE_*_ATTN); the local spec's core
+    # attention is always Megatron-Core's DotProductAttention.
+    return (
+        [ATTENTION_BACKEND, TRANSFORMER_IMPL],
+        f"attention_backend {c.attention_backend} is ignored with transformer_impl local: the local spec always "
+        "runs Megatron-Core's unfused DotProductAttention",
+        "set implementation.transformer_impl to transformer_engine to get flash/fused attention",
+    )
+
+
+def _scores_bytes_per_layer(c: Ctx) -> float:
+    # Korthikanti et al. 2022 sec. 4.1: unfused attention keeps the softmax output (2 B), the
+    # dropout mask (1 B) and the dropout output (2 B) per score: 5*a*s^2*b bytes per layer, heads
+    # split over TP. A measured local-spec run on H200 (shared/data/device-measurements-h200.jsonl,
+    # GPT 1.3B, s 2048) used about 6 B per score, so this is a floor.
+    heads = c.shape.num_attention_heads / c.tp
+    return 5 * c.mbs * heads * c.seq_length**2
+
+
+def _unfused(c: Ctx) -> bool:
+    return _local(c) or c.attention_backend in ("unfused", "local")
+
+
+@rule(
+    "unfused_attention_memory",
+    "warning",
+    AREA,
+    "unfused attention stores s x s scores",
+    when=_unfused,
+)
+def _scores(c: Ctx):
+    per_layer = _scores_bytes_per_layer(c)
+    layers = c.layers_per_stage or math.ceil(c.shape.num_layers / c.pp)
+    stage = per_layer * layers
+    share = stage / (c.hbm_gib * GIB)
+    severity = "warning" if share >= 0.10 else "info"
+    return (
+        [ATTENTION_BACKEND, TRANSFORMER_IMPL, SEQ, MBS],
+        f"unfused attention materialises the s x s score matrix: at seq_length {c.seq_length}, micro_batch_size "
+        f"{c.mbs} and {c.shape.num_attention_heads / c.tp:g} heads per GPU that is >= {gib(per_layer)} per "
+        f"layer, {gib(stage)} for the {layers} layers of a stage per micro-batch ({share:.0%} of "
+        f"{c.hbm_gib:g} GiB), growing with s^2 (Korthikanti et al. 2022: 5*a*s^2*b bytes)",
+        "set implementation.transformer_impl transformer_engine with attention_backend auto/flash/fused "
+        "(memory linear in s)",
+        severity,
+    )
+
+
+@rule(
+    "tp_comm_overlap_needs_sequence_parallel",
+    "error",
+    AREA,
+    "TP comm overlap needs SP",
+    when=lambda c: c.tp_comm_overlap and not c.sp_effective,
+)
+def _tpo_sp(c: Ctx):
+    # Megatron-LM validate_args asserts this (SP is also forced off when TP == 1).
+    return (
+        [TP_COMM_OVERLAP, SP, TP],
+        "Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled"
+        + (" (and sequence parallelism needs tensor_model_parallel_size > 1)" if c.tp == 1 else ""),
+        "set parallelism.sequence_parallel true with tensor_model_parallel_size > 1, or tp_comm_overlap false",
+    )
+
+
+@rule(
+    "tp_comm_overlap_needs_te",
+    "error",
+    AREA,
+    "TP comm overlap is Transformer Engine userbuffers",
+    when=lambda c: c.tp_comm_overlap and _local(c),
+)
+def _tpo_te(c: Ctx):
+    return (
+        [TP_COMM_OVERLAP, TRANSFORMER_IMPL],
+        "tp_comm_overlap uses Transformer Engine userbuffers, which the local spec does not have",
+        "set implementation.transformer_impl transformer_engine, or parallelism.tp_comm_overlap false",
+    )
+
+
+@rule(
+    "overlap_param_gather_needs_distributed_optimizer",
+    "info",
+    AREA,
+    "param all-gather overlap is a distributed-optimizer feature",
+    when=lambda c: c.overlap_param_gather and not c.use_distributed_optimizer,
+)
+def _opg_distopt(c: Ctx):
+    # Megatron-LM validate_args asserts "--overlap-param-gather only supported with distributed
+    # optimizer or megatron fsdp" when the flag is passed; overlap_param_gather defaults to true in
+    # the plan, so a plan without the distributed optimizer simply has nothing to overlap and the
+    # renderer leaves the flag out.
+    return (
+        [OVERLAP_PARAM_GATHER, DIST_OPT],
+        "overlap_param_gather is ignored without the distributed optimizer (there is no parameter "
+        "all-gather); the launch script omits --overlap-param-gather, which Megatron-LM would reject "
+        "('--overlap-param-gather only supported with distributed optimizer or megatron fsdp')",
+        "set parallelism.overlap_param_gather false, or use_distributed_optimizer true",
+    )
+
+
+@rule(
+    "overlap_param_gather_needs_overlap_grad_reduce",
+    "warning",
+    AREA,
+    "param gather overlap rides on grad reduce overlap",
+    when=lambda c: c.overlap_param_gather and not c.overlap_grad_reduce,
+)
+def _opg_ogr(c: Ctx):
+    # Megatron-LM validate_args asserts "Must use --overlap-param-gather with --overlap-grad-reduce";
+    # the renderer drops --overlap-param-gather in that case, so the overlap is lost, not the run.
+    return (
+        [OVERLAP_PARAM_GATHER, OVERLAP_GRAD_REDUCE],
+        "overlap_param_gather needs overlap_grad_reduce (Megatron-LM: 'Must use --overlap-param-gather "
+        "with --overlap-grad-reduce'); the launch script omits --overlap-param-gather, so the parameter "
+        "all-gather will not be overlapped",
+        "set parallelism.overlap_grad_reduce true, or overlap_param_gather false",
+    )
+
+
+@rule(
+    "fsdp2_with_distributed_optimizer",
+    "error",
+    AREA,
+    "FSDP2 replaces the distributed optimizer",
+    when=lambda c: c.use_torch_fsdp2 and c.use_distributed_optimizer,
+)
+def _fsdp_distopt(c: Ctx):
+    # Megatron-LM validate_args asserts this message.
+    return (
+        [FSDP2, DIST_OPT],
+        "--use-torch-fsdp2 is not supported with MCore's distributed optimizer",
+        "set parallelism.use_distributed_optimizer false (FSDP2 shards parameters, gradients and optimizer "
+        "state itself) and overlap_param_gather false",
+    )
+
+
+@rule(
+    "fsdp2_with_pipeline_parallel",
+    "error",
+    AREA,
+    "FSDP2 without PP",
+    when=lambda c: c.use_torch_fsdp2 and c.pp > 1,
+)
+def _fsdp_pp(c: Ctx):
+    # Megatron-LM validate_args asserts this message.
+    return (
+        [FSDP2, PP],
+        "--use-torch-fsdp2 is not supported with pipeline parallelism",
+        "set parallelism.pipeline_model_parallel_size 1, or implementation.use_torch_fsdp2 false",
+    )
+
+
+@rule(
+    "fsdp2_with_expert_parallel",
+    "error",
+    AREA,
+    "FSDP2 without EP",
+    when=lambda c: c.use_torch_fsdp2 and c.ep > 1,
+)
+def _fsdp_ep(c: Ctx):
+    # Megatron-LM validate_args asserts this message.
+    return (
+        [FSDP2, EP],
+        "--use-torch-fsdp2 is not supported with expert parallelism",
+        "set parallelism.expert_model_parallel_size 1, or implementation.use_torch_fsdp2 false",
+    )
+
+
+@rule(
+    "fsdp2_needs_untied_embeddings",
+    "error",
+    AREA,
+    "FSDP2 with untied embeddings only",
+    when=lambda c: c.use_torch_fsdp2 and not c.shape.untie_embeddings_and_output_weights,
+)
+def _fsdp_tied(c: Ctx):
+    # Megatron-LM validate_args asserts this message.
+    return (
+        [FSDP2, "model.untie_embeddings_and_output_weights"],
+        "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights",
+        "set implementation.use_torch_fsdp2 false (this model ties its embeddings)",
+    )
+
+
+@rule(
+    "flex_dispatcher_needs_tp_ep",
+    "error",
+    AREA,
+    "the flex dispatcher needs an expert group",
+    when=lambda c: c.is_moe and c.moe_token_dispatcher_type == "flex" and c.etp * c.ep == 1,
+)
+def _flex_1(c: Ctx):
+    # MoEFlexTokenDispatcher.__init__ asserts "Flex token dispatcher requires TPxEP > 1" (TP here is
+    # the expert tensor-parallel size).
+    return (
+        [DISPATCHER, EP, ETP],
+        "Flex token dispatcher requires TPxEP > 1 (expert_tensor_parallel_size x expert_model_parallel_size = 1)",
+        "set implementation.moe_token_dispatcher_type alltoall, or expert_model_parallel_size > 1",
+    )
+
+
+@rule(
+    "flex_dispatcher_backend",
+    "info",
+    AREA,
+    "the flex dispatcher needs DeepEP or HybridEP",
+    when=lambda c: c.is_moe and c.moe_token_dispatcher_type == "flex" and c.etp * c.ep > 1,
+)
+def _flex_backend(c: Ctx):
+    return (
+        [DISPATCHER],
+        "moe_token_dispatcher_type flex runs through DeepEP or HybridEP (--moe-flex-dispatcher-backend); "
+        "that library must be installed in the training image",
+        None,
+    )
+
+
+@rule(
+    "allgather_dispatcher_with_ep",
+    "info",
+    AREA,
+    "allgather dispatch gathers every token on every EP rank",
+    when=lambda c: c.is_moe and c.moe_token_dispatcher_type == "allgather" and c.ep > 1,
+)
+def _allgather(c: Ctx):
+    return (
+        [DISPATCHER, EP],
+        f"the allgather dispatcher gathers all tokens of the {c.ep * c.etp} expert-parallel ranks onto each rank, "
+        "so its traffic and buffers grow with EP; alltoall sends each token only where it is routed",
+        "set implementation.moe_token_dispatcher_type alltoall",
+    )
+
+
+@rule(
+    "grouped_gemm_off",
+    "info",
+    AREA,
+    "per-expert GEMMs launched one by one",
+    when=lambda c: c.is_moe and not c.moe_grouped_gemm and c.num_experts // c.ep > 1,
+)
+def _grouped(c: Ctx):
+    return (
+        [GROUPED_GEMM],
+        f"without moe_grouped_gemm the {c.num_experts // c.ep} local experts run as separate small GEMMs, "
+        "one launch each",
+        "set implementation.moe_grouped_gemm true",
+    )

@@ -1,0 +1,153 @@
+"""Activation recomputation rules, each against Megatron's own assertion or behaviour."""
+
+from __future__ import annotations
+
+METHOD = "parallelism.recompute_method"
+NUM_LAYERS = "parallelism.recompute_num_layers"
+
+
+def _rc(kit, **par):
+    return kit.plan(parallelism=par)
+
+
+def test_full_recompute_without_method_is_megatrons_error(kit):
+    f = kit.one(_rc(kit, recompute_granularity="full", recompute_num_layers=1), "full_recompute_needs_method")
+    assert f.severity == "error" and f.fields[0] == METHOD
+    assert f.message == 'Using recompute_granularity: full so recompute_method must be "block" or "uniform"'
+    assert "uniform" in f.fix and "block" in f.fix
+
+
+def test_full_recompute_without_num_layers_names_the_layers_per_stage(kit):
+    f = kit.one(
+        _rc(kit, recompute_granularity="full", recompute_method="uniform"), "full_recompute_needs_num_layers"
+    )
+    assert f.severity == "error" and f.fields[0] == NUM_LAYERS
+    assert f.message.endswith("num_layers_per_pipeline_rank: 40")
+    assert "up to 40" in f.fix
+
+
+def test_selective_with_recompute_method_is_an_error_as_megatron_asserts(kit):
+    f = kit.one(
+        _rc(kit, recompute_granularity="selective", recompute_method="uniform"),
+        "selective_recompute_with_method",
+    )
+    assert f.severity == "error" and f.fields[0] == METHOD
+    assert "not yet supported for selective recomputing granularity" in f.message
+
+
+def test_selective_with_recompute_num_layers_is_an_error(kit):
+    p = _rc(kit, recompute_granularity="selective", recompute_num_layers=2)
+    f = kit.one(p, "selective_recompute_with_num_layers")
+    assert f.severity == "error" and f.fields[0] == NUM_LAYERS
+    assert "recompute_num_layers must be None" in f.message
+
+
+def test_recompute_method_without_granularity_is_a_warning(kit):
+    f = kit.one(_rc(kit, recompute_method="uniform"), "recompute_options_ignored")
+    assert f.severity == "warning" and "parallelism.recompute_granularity" in f.fields
+
+
+def test_recompute_modules_outside_selective_are_ignored(kit):
+    p = _rc(
+        kit,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        recompute_modules=["mlp"],
+    )
+    f = kit.one(p, "recompute_modules_ignored")
+    assert f.severity == "warning" and f.fields[0] == "parallelism.recompute_modules"
+    assert "['mlp']" in f.message
+
+
+def test_uniform_groups_that_do_not_tile_a_stage_are_an_error(kit):
+    p = _rc(kit, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3)
+    f = kit.one(p, "uniform_recompute_not_dividing_chunk")
+    assert f.severity == "error"
+    assert "the 40 layers of each pipeline stage" in f.message
+    assert f.fix.endswith("2, 4 or 5")
+
+
+def test_uniform_groups_are_checked_per_virtual_chunk(kit):
+    # 80 layers / PP2 / VP4 = 10 layers per chunk; groups of 4 do not tile 10 (they would tile 40)
+    p = _rc(
+        kit,
+        virtual_pipeline_model_parallel_size=4,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=4,
+    )
+    f = kit.one(p, "uniform_recompute_not_dividing_chunk")
+    assert "the 10 layers of each model chunk" in f.message
+    assert f.fix.endswith("2, 5 or 10")
+
+
+def test_block_recompute_of_more_layers_than_a_stage_is_a_warning(kit):
+    p = _rc(kit, recompute_granularity="full", recompute_method="block", recompute_num_layers=50)
+    f = kit.one(p, "block_recompute_exceeds_chunk")
+    assert f.severity == "warning"
+    assert f.fix.endswith("at most 40")
+
+
+def test_mla_up_proj_recompute_needs_mla(kit):
+    f = kit.one(
+        _rc(kit, recompute_granularity="selective", recompute_modules=["mla_up_proj"]),
+        "recompute_mla_up_proj_without_mla",
+    )
+    assert f.severity == "error"
+    assert f.message == "mla_up_proj in recompute_modules is only supported with multi_latent_attention."
+
+
+def test_moe_act_recompute_needs_grouped_gemm(kit):
+    p = kit.plan(
+        model=kit.MIXTRAL,
+        cluster={"num_gpus": 8},
+        parallelism={
+            "pipeline_model_parallel_size": 1,
+            "recompute_granularity": "selective",
+            "recompute_modules": ["moe_act"],
+        },
+        implementation={"moe_grouped_gemm": False},
+    )
+    f = kit.one(p, "recompute_moe_act_needs_grouped_gemm")
+    assert f.severity == "error" and "implementation.moe_grouped_gemm" in f.fields
+    assert f.message == "moe_act in recompute_modules is only supported with moe_grouped_gemm."
+
+
+def test_moe_recompute_modules_on_a_dense_model_warn(kit):
+    f = kit.one(
+        _rc(kit, recompute_granularity="selective", recompute_modules=["moe", "mlp"]),
+        "recompute_moe_modules_on_dense",
+    )
+    assert f.severity == "warning" and "['moe']" in f.message
+
+
+def test_delayed_fp8_cannot_recompute_layernorm(kit):
+    p = kit.plan(
+        training={"precision": "fp8"},
+        parallelism={"recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
+    )
+    f = kit.one(p, "fp8_delayed_recompute_modules")
+    assert f.severity == "error"
+    assert f.message == "Delayed scaling does not support moe_act and layernorm recompute for fp8."
+    assert "tensorwise" in f.fix
+    p_ok = kit.plan(
+        training={"precision": "fp8", "fp8_recipe": "tensorwise"},
+        parallelism={"recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
+    )
+    assert "fp8_delayed_recompute_modules" not in kit.codes(p_ok)
+
+
+def test_core_attn_recompute_with_te_attention_is_info(kit):
+    f = kit.one(_rc(kit, recompute_granularity="selective"), "core_attn_recompute_with_fused_attention")
+    assert f.severity == "info"
+    assert "no need to set" in f.message
+
+
+def test_block_recompute_skips_mtp_layers(kit):
+    p = kit.plan(
+        model={"name": "llama3-70b", "mtp_num_layers": 1},
+        parallelism={"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 4},
+    )
+    f = kit.one(p, "mtp_block_recompute_skipped")
+    assert f.severity == "warning" and "uniform" in f.fix
