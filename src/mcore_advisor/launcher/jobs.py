@@ -1,0 +1,714 @@
+"""The job tools: run_profile_job, get_job, list_jobs, cancel_job (and reattach_all for startup).
+
+A profile job runs the Megatron-Core entry point (launcher/entry/profile.py) for a plan on a
+backend, then reports measured iteration time, throughput and memory next to what
+evaluate_plan predicted. Submitting returns at once; the state is refreshed from the backend
+whenever a job is read, so nothing needs to run in the background and a restarted server picks
+every job up again from the store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shlex
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mcore_advisor.knowledge.hardware import gpu
+from mcore_advisor.schemas import Finding, Plan
+
+from .backends.base import (
+    ERROR_FILE,
+    JOB_ENV_MARKER,
+    RESULT_FILE,
+    STDERR_FILE,
+    STDOUT_FILE,
+    TRAIN_LOG,
+    Backend,
+    BackendError,
+    BackendStatus,
+    JobArtifact,
+    JobRef,
+    JobResources,
+    check_job_name,
+    read_outcome,
+    tail_text,
+)
+from .backends.local import LocalBackend, local_gpu_count
+from .store import ACTIVE_STATES, JOB_STATES, JobRecord, JobStateName, JobStore, new_job_id, record_from
+
+log = logging.getLogger("mcore_advisor.launcher")
+
+BackendName = Literal["local", "slurm", "slurm_rest"]
+ENTRY_MODULE = "mcore_advisor.launcher.entry.profile"
+SPEC_FILE = "spec.json"
+PLAN_FILE = "plan.json"
+PREDICTED_FILE = "predicted.json"
+LOG_TAIL_LINES = 40
+LOG_TAIL_BYTES = 8192
+DIAGNOSIS_LOG_BYTES = 256 * 1024
+UNSUBMITTED_GRACE_S = 120.0
+
+
+# ---- request / response models -------------------------------------------------------------
+
+
+class ProfileJobRequest(BaseModel):
+    """A plan to run for a few steps and measure. Returns at once; poll with get_job."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    plan: Plan = Field(description="The training plan to run (world size = cluster.num_gpus processes).")
+    backend: BackendName = Field("local", description="'local' (this host, detached process), 'slurm' (sbatch/squeue/scancel on this host) or 'slurm_rest' (slurmrestd at $SLURM_REST_URL).")
+    resources: JobResources = Field(default_factory=JobResources, description="Nodes, GPUs per node, wall-clock limit; slurm_* options for the Slurm backends.")
+    name: str | None = Field(None, description="Job name (1-64 of A-Z a-z 0-9 _ . -); None = 'profile-<model>'.")
+    warmup_steps: int = Field(3, ge=0, le=1000, description="Training steps run before timing starts (excluded from the figures).")
+    measure_steps: int = Field(10, ge=1, le=10000, description="Timed training steps the figures average over.")
+    profile_steps: tuple[int, int] | None = Field((3, 3), description="(first, last) iterations, numbered from 1 and inclusive, traced with torch.profiler into trace_rank0.json; they never count as measured. None = no trace.")
+    seed: int = Field(1234, ge=0, le=2**31 - 1, description="Random seed for weights and mock data.")
+    dry_run: bool = Field(False, description="Return the exact command / batch script without creating a job.")
+
+
+class PredictedFigures(BaseModel):
+    """The four figures a profile job measures, as evaluate_plan predicted them at submit time."""
+
+    model_config = ConfigDict(frozen=True)
+
+    iteration_time_s: float | None = None
+    tokens_per_s_per_gpu: float | None = None
+    tflops_per_gpu_causal: float | None = Field(None, description="Model TFLOP/s per GPU, causal convention (Megatron since 2025-03).")
+    peak_allocated_gib: float | None = Field(None, description="Peak torch-allocated memory on the most-loaded rank, GiB.")
+
+
+class JobSubmission(BaseModel):
+    """What run_profile_job did (or, with dry_run, would do)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str | None = Field(description="Use with get_job / cancel_job; None for a dry run.")
+    dry_run: bool
+    backend: str
+    state: JobStateName | None = Field(description="State right after submission; None for a dry run.")
+    name: str
+    job_dir: str = Field(description="Where the job writes spec.json, logs, result.json (for a dry run: where it would).")
+    command: list[str] = Field(description="The exact argv that starts the job (local: the process; Slurm: the submit command).")
+    command_line: str = Field(description="`command` as one shell-quoted line.")
+    script: str | None = Field(None, description="The batch script (Slurm backends).")
+    backend_job_id: str | None = Field(None, description="Local supervisor pid or Slurm job id.")
+    nodes: int
+    gpus_per_node: int
+    use_gpus: bool = Field(description="False = CPU processes over gloo (no GPU visible to the local backend).")
+    predicted: PredictedFigures | None = None
+    warnings: list[Finding] = Field(default_factory=list, description="Validator warnings and launch notes; errors would have rejected the request.")
+
+
+class FigureComparison(BaseModel):
+    """Measured vs predicted for one figure."""
+
+    model_config = ConfigDict(frozen=True)
+
+    figure: Literal["iteration_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu_causal", "peak_allocated_gib"]
+    measured: float | None
+    predicted: float | None
+    error_pct: float | None = Field(description="(predicted - measured) / measured * 100: positive = the model over-predicts.")
+
+
+class JobStatus(BaseModel):
+    """A job's state, and once it ended its result, measured-vs-predicted figures or failure diagnosis."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    name: str
+    backend: str
+    backend_job_id: str | None
+    state: JobStateName
+    created_at: datetime
+    started_at: datetime | None
+    ended_at: datetime | None
+    elapsed_s: float | None = Field(description="Run time so far (running) or in total (ended).")
+    job_dir: str
+    command_line: str
+    exit_code: int | None
+    error: str | None = Field(description="Why the job failed, timed out or was cancelled.")
+    log_file: str | None = Field(description="The log the tail comes from.")
+    log_tail: str | None = Field(description=f"Last <= {LOG_TAIL_LINES} lines of the training log.")
+    stderr_tail: str | None = Field(None, description="Last lines of stderr (failed jobs).")
+    result: dict[str, Any] | None = Field(description="The entry point's result.json.")
+    predicted: PredictedFigures | None
+    comparison: list[FigureComparison] = Field(default_factory=list)
+    comparison_note: str | None = None
+    diagnosis: dict[str, Any] | None = Field(None, description="check_mfu's reading of a failed job's log (OOM, NCCL timeout, ...).")
+
+
+class JobSummary(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    name: str
+    backend: str
+    state: JobStateName
+    created_at: datetime
+    ended_at: datetime | None
+    num_gpus: int | None
+    error: str | None
+
+
+class JobList(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    jobs: list[JobSummary]
+
+
+# ---- optional collaborators (other modules; imported lazily so a missing one degrades) -----------
+
+
+def _plan_findings(plan: Plan) -> list[Finding]:
+    try:
+        from mcore_advisor.validators import validate  # type: ignore[attr-defined]
+    except ImportError:
+        log.warning("validators.validate is not available; submitting without plan validation")
+        return []
+    return list(validate(plan))
+
+
+def _job_spec(plan: Plan, request: ProfileJobRequest) -> dict[str, Any]:
+    try:
+        from .spec import job_spec  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise BackendError("the profile job spec builder (launcher/spec.py) is not installed") from exc
+    return dict(
+        job_spec(
+            plan,
+            warmup_steps=request.warmup_steps,
+            measure_steps=request.measure_steps,
+            profile_steps=request.profile_steps,
+            seed=request.seed,
+        )
+    )
+
+
+def _render_profile_script(plan: Plan, spec: dict[str, Any], artifact: JobArtifact) -> str | None:
+    """render_launch_script's sbatch script for the profile target, or None (the backend builds its own)."""
+    try:
+        from mcore_advisor.tools.render import RenderRequest, render_launch_script  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        node_size = gpu(plan.cluster.gpu).gpus_per_node
+    except KeyError:
+        node_size = artifact.gpus_per_node
+    r = artifact.resources
+    rendered = render_launch_script(RenderRequest(
+        plan=plan, target="profile", launcher="slurm", nodes=artifact.nodes, gpus_per_node=artifact.gpus_per_node,
+        time_limit_min=r.slurm_time_limit_min, job_name=artifact.name, run_dir=str(artifact.job_dir),
+        python_executable=artifact.python, slurm_account=r.slurm_account, slurm_partition=r.slurm_partition,
+        slurm_log_dir=str(artifact.job_dir),
+        # Whole nodes when the job fills them: a profile must not share NVLink, NICs or host memory.
+        slurm_exclusive=artifact.gpus_per_node >= node_size,
+        profile_spec=spec, extra_env={JOB_ENV_MARKER: artifact.job_id},
+        invocation=f"run_profile_job(backend=slurm, job_id={artifact.job_id})",
+    ))
+    return rendered.script
+
+
+def _predict(plan: Plan) -> dict[str, Any] | None:
+    """evaluate_plan's answer; until that tool exists, the two estimators it combines."""
+    try:
+        from mcore_advisor.tools.evaluate import evaluate_plan  # type: ignore[import-not-found]
+    except ImportError:
+        evaluate_plan = None
+    if evaluate_plan is not None:
+        try:
+            result = evaluate_plan(plan)
+        except (ValueError, KeyError) as exc:
+            log.info("no prediction for this plan: %s", exc)
+            return None
+        return result.model_dump(mode="json") if hasattr(result, "model_dump") else dict(result)
+    out: dict[str, Any] = {}
+    try:
+        from mcore_advisor.tools.perf import step_time
+
+        out["performance"] = step_time(plan).model_dump(mode="json")
+    except (ImportError, ValueError, KeyError) as exc:
+        log.info("no performance prediction for this plan: %s", exc)
+    try:
+        from mcore_advisor.tools.memory import memory_breakdown
+
+        out["memory"] = memory_breakdown(plan).model_dump(mode="json")
+    except (ImportError, ValueError, KeyError) as exc:
+        log.info("no memory prediction for this plan: %s", exc)
+    return out or None
+
+
+def _drop_plans(value: Any) -> Any:
+    """Fix suggestions carry a whole changed plan each; the change line says the same in one row."""
+    if isinstance(value, dict):
+        return {k: _drop_plans(v) for k, v in value.items() if k != "plan"}
+    if isinstance(value, list):
+        return [_drop_plans(v) for v in value]
+    return value
+
+
+def _diagnose(plan: Mapping[str, Any], log_text: str) -> dict[str, Any] | None:
+    """check_mfu's reading of a failed job's log and error (OOM cause and fixes, NCCL timeouts, ...)."""
+    try:
+        from mcore_advisor.tools.mfu import MfuRequest, check_mfu
+    except ImportError:
+        return None
+    try:
+        report = check_mfu(MfuRequest(plan=Plan.model_validate(plan), log_text=log_text))
+    except Exception as exc:  # a diagnosis is a bonus: it must never break get_job
+        log.warning("check_mfu could not diagnose the job log: %s: %s", type(exc).__name__, exc)
+        return None
+    dumped = report.model_dump(mode="json", include={"oom_diagnosis", "diagnosis", "findings", "notes"})
+    return _drop_plans({k: v for k, v in dumped.items() if v}) or None
+
+
+# ---- figures ---------------------------------------------------------------------------------
+
+# evaluate_plan nests tools/perf.py PerfEstimate and tools/memory.py MemoryBreakdown; these are their names.
+_PREDICTED_KEYS: dict[str, tuple[str, ...]] = {
+    "iteration_time_s": ("iteration_time_s",),
+    "tokens_per_s_per_gpu": ("tokens_per_s_per_gpu",),
+    "tflops_per_gpu_causal": ("model_tflops_per_gpu_causal", "tflops_per_gpu_causal"),
+    "peak_allocated_gib": ("peak_allocated_gib",),
+}
+_MEASURED_KEYS: dict[str, tuple[str, ...]] = {
+    "iteration_time_s": ("iter_s", "iteration_time_s"),
+    "tokens_per_s_per_gpu": ("tokens_per_s_per_gpu",),
+    "tflops_per_gpu_causal": ("tflops_per_gpu_causal",),
+    "peak_allocated_gib": ("peak_allocated_gib",),
+}
+
+
+def _number(value: Any) -> float | None:
+    """A figure from JSON; per-rank lists/dicts give their maximum (the most-loaded rank)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, list):
+        nums = [n for n in (_number(v) for v in value) if n is not None]
+        return max(nums) if nums else None
+    return None
+
+
+def _find(data: Any, keys: Sequence[str], depth: int = 0) -> float | None:
+    """First of `keys` found in a nested JSON object (breadth-first, shallow first)."""
+    if not isinstance(data, Mapping) or depth > 4:
+        return None
+    for key in keys:
+        if key in data:
+            n = _number(data[key])
+            if n is not None:
+                return n
+    for value in data.values():
+        if isinstance(value, Mapping):
+            n = _find(value, keys, depth + 1)
+            if n is not None:
+                return n
+    return None
+
+
+def _measured_on_cpu(result: Mapping[str, Any]) -> bool:
+    # The entry reports no MFU peak and RSS-based memory when it ran without CUDA (entry/profile.py _finish).
+    return result.get("mfu_peak_tflops") is None and "RSS" in str(result.get("memory_source", ""))
+
+
+def predicted_figures(predicted: Mapping[str, Any] | None) -> PredictedFigures | None:
+    if not predicted:
+        return None
+    return PredictedFigures(**{name: _find(predicted, keys) for name, keys in _PREDICTED_KEYS.items()})
+
+
+def compare(result: Mapping[str, Any] | None, predicted: PredictedFigures | None) -> list[FigureComparison]:
+    if not result:
+        return []
+    out = []
+    for name, keys in _MEASURED_KEYS.items():
+        measured = _find(result, keys)
+        pred = getattr(predicted, name) if predicted is not None else None
+        err = None
+        if measured is not None and pred is not None and measured != 0:
+            err = round((pred - measured) / measured * 100.0, 2)
+        out.append(FigureComparison(figure=name, measured=measured, predicted=pred, error_pct=err))  # type: ignore[arg-type]
+    return out
+
+
+# ---- the manager -----------------------------------------------------------------------------
+
+_NAME_CLEAN_RE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def _default_name(plan: Plan) -> str:
+    model = plan.model.name or "custom"
+    name = "profile-" + _NAME_CLEAN_RE.sub("-", model).strip("-.")
+    return name[:64]
+
+
+def _ts(value: float | None) -> datetime | None:
+    return datetime.fromtimestamp(value, UTC) if value is not None else None
+
+
+class JobManager:
+    """Submits, refreshes and cancels jobs; the store is the only state it keeps."""
+
+    def __init__(
+        self,
+        store: JobStore | None = None,
+        *,
+        backends: Mapping[str, Backend] | None = None,
+        entry: Sequence[str] | None = None,
+        job_root: Path | None = None,
+        backend_factories: Mapping[str, Callable[[], Backend]] | None = None,
+    ):
+        """`entry` replaces `-m mcore_advisor.launcher.entry.profile` (tests run a fake entry script)."""
+        self.store = store or JobStore()
+        self.job_root = (job_root or self.store.state_dir / "jobs").resolve()
+        self.entry = list(entry) if entry is not None else ["-m", ENTRY_MODULE]
+        self._backends: dict[str, Backend] = dict(backends or {})
+        self._factories: dict[str, Callable[[], Backend]] = {
+            "local": LocalBackend,
+            "slurm": _slurm_cli_backend,
+            "slurm_rest": _slurm_rest_backend,
+        }
+        self._factories.update(backend_factories or {})
+        self._lock = threading.Lock()
+
+    def backend(self, name: str) -> Backend:
+        with self._lock:
+            if name not in self._backends:
+                if name not in self._factories:
+                    raise ValueError(f"backend: unknown backend {name!r}; use one of {', '.join(sorted(self._factories))}")
+                self._backends[name] = self._factories[name]()
+            return self._backends[name]
+
+    # -- submit ------------------------------------------------------------------------------
+
+    def submit(self, request: ProfileJobRequest) -> JobSubmission:
+        plan = request.plan
+        findings = _plan_findings(plan)
+        errors = [f for f in findings if f.severity == "error"]
+        if errors:
+            parts = [f"{', '.join(f.fields) or 'plan'}: {f.message}" + (f" (fix: {f.fix})" if f.fix else "") for f in errors]
+            raise ValueError("plan rejected, no job created: " + "; ".join(parts))
+        warnings = [f for f in findings if f.severity != "error"]
+
+        name = request.name if request.name is not None else _default_name(plan)
+        check_job_name(name)
+        nodes, gpus_per_node = resolve_layout(plan, request.resources)
+        use_gpus = request.backend != "local" or local_gpu_count() > 0
+        if not use_gpus:
+            warnings.append(Finding(
+                code="no_gpu_cpu_run", severity="warning", fields=["backend"],
+                message=f"no GPU is visible on this host: the job runs {gpus_per_node} CPU process(es) over gloo; "
+                "its times and memory are not GPU figures",
+                fix="run on a GPU host or a Slurm backend to compare against the prediction",
+            ))
+        if request.backend == "local":
+            busy = [r.job_id for r in self.store.list(states=ACTIVE_STATES, limit=1000) if r.backend == "local"]
+            if busy:
+                warnings.append(Finding(
+                    code="local_jobs_running", severity="warning", fields=["backend"],
+                    message=f"{len(busy)} other local job(s) still active ({', '.join(busy[:5])}): they share this "
+                    "host's GPUs/CPUs, so the measured times and memory will be disturbed",
+                    fix="wait for them (get_job) or cancel them (cancel_job) before profiling",
+                ))
+        backend = self.backend(request.backend)
+        job_id = new_job_id()
+        job_dir = self.job_root / job_id
+        spec = _job_spec(plan, request)
+        program = [*self.entry, "--spec", str(job_dir / SPEC_FILE), "--out-dir", str(job_dir)]
+        # The entry sets the CUDA variables the plan implies (allocator, max connections) itself.
+        env = {"PYTHONUNBUFFERED": "1"}
+        artifact = JobArtifact(
+            job_id=job_id, name=name, job_dir=job_dir, program=program, resources=request.resources,
+            nodes=nodes, gpus_per_node=gpus_per_node, use_gpus=use_gpus, env=env,
+        )
+        if request.backend != "local" and self.entry == ["-m", ENTRY_MODULE]:
+            script = _render_profile_script(plan, spec, artifact)
+            if script is not None:
+                artifact = replace(artifact, script=script)
+        backend.check(artifact)
+        command, script = backend.launch_text(artifact)
+        predicted = _predict(plan)
+        figures = predicted_figures(predicted)
+        common = dict(
+            backend=request.backend, name=name, job_dir=str(job_dir), command=command,
+            command_line=shlex.join(command), script=script, nodes=nodes, gpus_per_node=gpus_per_node,
+            use_gpus=use_gpus, predicted=figures, warnings=warnings,
+        )
+        if request.dry_run:
+            return JobSubmission(job_id=None, dry_run=True, state=None, **common)
+
+        job_dir.mkdir(parents=True, mode=0o700)
+        (job_dir / PLAN_FILE).write_text(plan.model_dump_json(indent=1))
+        (job_dir / SPEC_FILE).write_text(json.dumps(spec, indent=1))
+        if predicted is not None:
+            (job_dir / PREDICTED_FILE).write_text(json.dumps(predicted, indent=1))
+        record = record_from(
+            job_id=job_id, name=name, backend=request.backend, job_dir=job_dir, command=command,
+            plan=plan.model_dump(mode="json"), spec=spec, predicted=predicted,
+            resources={**request.resources.model_dump(mode="json"), "nodes": nodes, "gpus_per_node": gpus_per_node, "use_gpus": use_gpus},
+            paths={"spec": str(job_dir / SPEC_FILE), "result": str(job_dir / RESULT_FILE), "error": str(job_dir / ERROR_FILE),
+                   "train_log": str(job_dir / TRAIN_LOG), "stdout": str(job_dir / STDOUT_FILE), "stderr": str(job_dir / STDERR_FILE)},
+        )
+        self.store.insert(record)
+        try:
+            ref = backend.submit(artifact)
+        except Exception as exc:
+            # A submission the backend refused leaves no job behind: no row, no directory.
+            self.store.delete(job_id)
+            shutil.rmtree(job_dir, ignore_errors=True)
+            if isinstance(exc, BackendError):
+                raise
+            raise BackendError(f"backend {request.backend!r} could not start the job: {type(exc).__name__}: {exc}") from exc
+        state: JobStateName = "RUNNING" if request.backend == "local" else "PENDING"
+        now = time.time()
+        rec = self.store.update(job_id, backend_ref=ref.model_dump(mode="json"), state=state,
+                                started_at=now if state == "RUNNING" else None)
+        return JobSubmission(job_id=job_id, dry_run=False, state=rec.state, backend_job_id=ref.native_id, **common)
+
+    # -- refresh -----------------------------------------------------------------------------
+
+    def refresh(self, records: Sequence[JobRecord]) -> list[JobRecord]:
+        """Poll the backends for the active ones among `records`; returns the records as stored now."""
+        by_backend: dict[str, dict[str, JobRef]] = {}
+        for rec in records:
+            if rec.state in ACTIVE_STATES and rec.backend_ref:
+                by_backend.setdefault(rec.backend, {})[rec.job_id] = JobRef.model_validate(rec.backend_ref)
+        updated: dict[str, JobRecord] = {}
+        for backend_name, refs in by_backend.items():
+            try:
+                statuses = self.backend(backend_name).status(refs)
+            except (BackendError, OSError) as exc:
+                log.warning("cannot poll backend %s: %s", backend_name, exc)
+                continue
+            for job_id, st in statuses.items():
+                rec = next(r for r in records if r.job_id == job_id)
+                updated[job_id] = self._apply(rec, st)
+        return [updated.get(r.job_id, r) for r in records]
+
+    def _apply(self, rec: JobRecord, st: BackendStatus) -> JobRecord:
+        now = time.time()
+        if st.state in ACTIVE_STATES:
+            if st.state == rec.state:
+                return rec
+            fields: dict[str, Any] = {}
+            if st.state == "RUNNING" and rec.started_at is None:
+                fields["started_at"] = st.started_at or now
+            return self.store.transition(rec.job_id, st.state, **fields)
+        outcome = read_outcome(Path(rec.job_dir))
+        state: str = st.state
+        error = st.reason
+        result = outcome.result if outcome else None
+        if st.state == "COMPLETED":
+            if outcome is None:
+                state, error = "FAILED", "the job exited with code 0 but wrote no result.json (see the log tail)"
+            elif outcome.state == "FAILED":
+                state, error = "FAILED", outcome.error
+        elif st.state == "FAILED":
+            if outcome is not None and outcome.state == "COMPLETED" and st.lost:
+                state, error = "COMPLETED", None  # the result is complete; only the exit record is missing
+            elif outcome is not None and outcome.error:
+                error = outcome.error if not st.reason else f"{outcome.error} [{st.reason}]"
+        diagnosis = self._diagnosis(rec, error) if state == "FAILED" else None
+        return self.store.transition(
+            rec.job_id, state,
+            started_at=rec.started_at or st.started_at,
+            ended_at=st.ended_at or now,
+            exit_code=st.exit_code,
+            error=error,
+            result=result,
+            diagnosis=diagnosis,
+        )
+
+    @staticmethod
+    def _diagnosis(rec: JobRecord, error: str | None) -> dict[str, Any] | None:
+        """Run once, when the job is seen failed; stored with the job."""
+        job_dir = Path(rec.job_dir)
+        parts = [
+            tail_text(job_dir / TRAIN_LOG, max_lines=2000, max_bytes=DIAGNOSIS_LOG_BYTES),
+            tail_text(job_dir / STDERR_FILE, max_lines=2000, max_bytes=DIAGNOSIS_LOG_BYTES),
+            error,
+        ]
+        text = "\n".join(p for p in parts if p)
+        return _diagnose(rec.plan, text) if text else None
+
+    # -- read --------------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> JobStatus:
+        rec = self.store.get(job_id)
+        if rec.state in ACTIVE_STATES:
+            rec = self.refresh([rec])[0]
+        return self._status(rec)
+
+    def list(self, state: str | None = None, limit: int = 20) -> JobList:
+        if state is not None and state not in JOB_STATES:
+            raise ValueError(f"state: unknown job state {state!r}; use one of {', '.join(JOB_STATES)}")
+        if not 1 <= limit <= 1000:
+            raise ValueError(f"limit: {limit} is out of range; use 1..1000")
+        self.refresh(self.store.list(states=ACTIVE_STATES, limit=1000))
+        return JobList(jobs=[self._summary(r) for r in self.store.list(state=state, limit=limit)])
+
+    def cancel(self, job_id: str) -> JobStatus:
+        rec = self.store.get(job_id)
+        if rec.state in ACTIVE_STATES:
+            rec = self.refresh([rec])[0]
+        if rec.state in ACTIVE_STATES:
+            if rec.backend_ref:
+                self.backend(rec.backend).cancel(JobRef.model_validate(rec.backend_ref))
+            self.store.transition(job_id, "CANCELLED", error="cancelled by request")
+        return self._status(self.store.get(job_id))
+
+    def reattach_all(self) -> list[JobSummary]:
+        """Refresh every job the store thinks is active (call once at server start).
+
+        Jobs still running stay attached; local jobs whose process vanished without an exit
+        record or result become FAILED ("lost: process ... exited without result").
+        """
+        active = self.store.list(states=ACTIVE_STATES, limit=100_000)
+        now = time.time()
+        for rec in active:
+            # A row without a backend ref: a server stopped between recording and submitting the job.
+            # The age guard leaves alone a submission another server process is making right now.
+            if not rec.backend_ref and now - rec.created_at > UNSUBMITTED_GRACE_S:
+                self.store.transition(rec.job_id, "FAILED", error="lost: the server stopped before the job was submitted")
+        still_active = [r for r in self.store.list(states=ACTIVE_STATES, limit=100_000) if r.backend_ref]
+        self.refresh(still_active)
+        return [self._summary(self.store.get(r.job_id)) for r in active]
+
+    # -- views -------------------------------------------------------------------------------
+
+    def _summary(self, rec: JobRecord) -> JobSummary:
+        return JobSummary(
+            job_id=rec.job_id, name=rec.name, backend=rec.backend, state=rec.state,
+            created_at=_ts(rec.created_at), ended_at=_ts(rec.ended_at),  # type: ignore[arg-type]
+            num_gpus=(rec.plan.get("cluster") or {}).get("num_gpus"), error=rec.error,
+        )
+
+    def _status(self, rec: JobRecord) -> JobStatus:
+        job_dir = Path(rec.job_dir)
+        log_file = None
+        for candidate in (TRAIN_LOG, STDOUT_FILE, *sorted(p.name for p in job_dir.glob("slurm-*.out"))):
+            if (job_dir / candidate).is_file() and (job_dir / candidate).stat().st_size > 0:
+                log_file = job_dir / candidate
+                break
+        log_tail = tail_text(log_file, max_lines=LOG_TAIL_LINES, max_bytes=LOG_TAIL_BYTES) if log_file else None
+        stderr_tail = None
+        if rec.state == "FAILED":
+            stderr_tail = tail_text(job_dir / STDERR_FILE, max_lines=LOG_TAIL_LINES, max_bytes=LOG_TAIL_BYTES)
+        predicted = predicted_figures(rec.predicted)
+        comparison = compare(rec.result, predicted)
+        note = None
+        if rec.result and (not rec.resources.get("use_gpus", True) or _measured_on_cpu(rec.result)):
+            note = (f"measured on CPU processes ({rec.result.get('device') or 'cpu'}), not on the plan's GPU: "
+                    "the errors check the plumbing, not the model's accuracy")
+        end = rec.ended_at or (time.time() if rec.state in ACTIVE_STATES else None)
+        ref = rec.backend_ref or {}
+        return JobStatus(
+            job_id=rec.job_id, name=rec.name, backend=rec.backend, backend_job_id=ref.get("native_id"),
+            state=rec.state, created_at=_ts(rec.created_at), started_at=_ts(rec.started_at),  # type: ignore[arg-type]
+            ended_at=_ts(rec.ended_at),
+            elapsed_s=round(end - rec.started_at, 3) if (end is not None and rec.started_at is not None) else None,
+            job_dir=rec.job_dir, command_line=shlex.join(rec.command), exit_code=rec.exit_code, error=rec.error,
+            log_file=str(log_file) if log_file else None, log_tail=log_tail, stderr_tail=stderr_tail,
+            result=rec.result, predicted=predicted, comparison=comparison, comparison_note=note, diagnosis=rec.diagnosis,
+        )
+
+
+def resolve_layout(plan: Plan, resources: JobResources) -> tuple[int, int]:
+    """(nodes, gpus_per_node) so that nodes * gpus_per_node == cluster.num_gpus."""
+    world = plan.cluster.num_gpus
+    gpn = resources.gpus_per_node or plan.cluster.gpus_per_node
+    if gpn is None:
+        try:
+            gpn = min(world, gpu(plan.cluster.gpu).gpus_per_node)
+        except KeyError:
+            gpn = min(world, 8)
+    nodes = resources.nodes or -(-world // gpn)
+    if nodes * gpn != world:
+        field = "resources.nodes" if resources.nodes else "resources.gpus_per_node"
+        raise ValueError(
+            f"{field}: {nodes} node(s) x {gpn} GPU(s) per node = {nodes * gpn} processes, but cluster.num_gpus is "
+            f"{world}; choose nodes and gpus_per_node whose product is {world}"
+        )
+    return nodes, gpn
+
+
+def _slurm_cli_backend() -> Backend:
+    from .backends.slurm_cli import SlurmCliBackend
+
+    return SlurmCliBackend()
+
+
+def _slurm_rest_backend() -> Backend:
+    from .backends.slurm_rest import SlurmRestBackend
+
+    return SlurmRestBackend.from_env()
+
+
+# ---- module-level tool functions -------------------------------------------------------------
+
+_manager: JobManager | None = None
+_manager_lock = threading.Lock()
+
+
+def default_manager() -> JobManager:
+    """The process-wide manager on the default store ($MCORE_ADVISOR_STATE_DIR or the XDG state dir)."""
+    global _manager
+    with _manager_lock:
+        if _manager is None:
+            _manager = JobManager()
+        return _manager
+
+
+def run_profile_job(request: ProfileJobRequest, *, manager: JobManager | None = None) -> JobSubmission:
+    """Start a short profiled Megatron-Core run of the plan and return its job id at once.
+
+    Validates the plan first (errors reject it and create no job). Poll with get_job; the result
+    compares measured iteration time, tokens/s/GPU, TFLOP/s/GPU and peak memory with evaluate_plan's
+    prediction. `dry_run=True` shows the exact command or batch script without starting anything.
+    """
+    return (manager or default_manager()).submit(request)
+
+
+def get_job(job_id: str, *, manager: JobManager | None = None) -> JobStatus:
+    """State, timestamps, log tail, result, measured-vs-predicted figures and failure diagnosis of a job."""
+    return (manager or default_manager()).get(job_id)
+
+
+def list_jobs(state: str | None = None, limit: int = 20, *, manager: JobManager | None = None) -> JobList:
+    """Jobs newest first, optionally only those in one state (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, TIMEOUT)."""
+    return (manager or default_manager()).list(state=state, limit=limit)
+
+
+def cancel_job(job_id: str, *, manager: JobManager | None = None) -> JobStatus:
+    """Stop a pending or running job (its state becomes CANCELLED); an ended job is returned unchanged."""
+    return (manager or default_manager()).cancel(job_id)
+
+
+def reattach_all(*, manager: JobManager | None = None) -> list[JobSummary]:
+    """Re-attach to every job left active by a previous server process; call once at startup."""
+    return (manager or default_manager()).reattach_all()
+
+
+__all__ = [
+    "FigureComparison", "JobList", "JobManager", "JobStatus", "JobSubmission", "JobSummary",
+    "PredictedFigures", "ProfileJobRequest", "cancel_job", "default_manager", "get_job", "list_jobs",
+    "reattach_all", "resolve_layout", "run_profile_job",
+]
