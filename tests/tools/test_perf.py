@@ -1,0 +1,266 @@
+"""Step-time model: hand-derived terms, relations, and anchors against measured runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.schemas import (
+    ClusterSpec,
+    ImplementationSpec,
+    ModelSpec,
+    ParallelismSpec,
+    Plan,
+    TrainingSpec,
+)
+from mcore_advisor.tools import perf
+from mcore_advisor.tools.perf import (
+    hardware_params,
+    pipeline_bubble_fraction,
+    ring_collective_s,
+    step_time,
+    step_time_arrays,
+)
+
+
+def _plan(model: dict | str, *, gpu="h100-sxm", num_gpus=8, gpn=None, s=4096, gbs=8, mbs=1, precision="bf16",
+          impl: dict | None = None, **par) -> Plan:
+    spec = ModelSpec(name=model) if isinstance(model, str) else ModelSpec(**model)
+    return Plan(
+        model=spec,
+        cluster=ClusterSpec(gpu=gpu, num_gpus=num_gpus, gpus_per_node=gpn),
+        training=TrainingSpec(seq_length=s, global_batch_size=gbs, micro_batch_size=mbs, precision=precision),
+        parallelism=ParallelismSpec(**par),
+        implementation=ImplementationSpec(**(impl or {})),
+    )
+
+
+# A GPT-3-style block (MHA, GeLU 4h, LayerNorm, biases, tied embeddings) with a tiny vocabulary, so
+# that embedding and output layer do not unbalance pipeline stages.
+GPT_SMALL_VOCAB = dict(num_layers=16, hidden_size=4096, num_attention_heads=32, vocab_size=128, swiglu=False,
+                       normalization="LayerNorm", add_bias_linear=True, position_embedding_type="learned_absolute")
+
+
+def _stage_time_per_microbatch(e) -> float:
+    b = e.breakdown
+    body = e.iteration_time_s - b.pipeline_bubble_s - b.pp_p2p_s - b.dp_comm_exposed_s - b.optimizer_s - b.overhead_s
+    return body / e.num_microbatches
+
+
+# --------------------------------------------------------------------------------------------- terms
+
+
+def test_breakdown_terms_sum_to_the_iteration_time():
+    e = step_time(_plan("llama3-70b", num_gpus=64, gbs=64, tensor_model_parallel_size=4, pipeline_model_parallel_size=4,
+                        virtual_pipeline_model_parallel_size=5, sequence_parallel=True))
+    assert sum(e.breakdown.model_dump().values()) == pytest.approx(e.iteration_time_s, rel=1e-9)
+    assert e.tokens_per_s_per_gpu == pytest.approx(64 * 4096 / (e.iteration_time_s * 64))
+
+
+def test_pipeline_bubble_is_p_minus_1_over_v_m_of_the_stage_time():
+    # Narayanan et al. 2021 Sec. 2.2: bubble = (p - 1) / (v * m) of the ideal time, for equal stages.
+    for vp, expected in ((None, 3 / 8), (2, 3 / 16)):
+        e = step_time(_plan(GPT_SMALL_VOCAB, num_gpus=4, gbs=8, pipeline_model_parallel_size=4,
+                            virtual_pipeline_model_parallel_size=vp))
+        assert e.num_microbatches == 8
+        ratio = e.breakdown.pipeline_bubble_s / (e.num_microbatches * _stage_time_per_microbatch(e))
+        assert ratio == pytest.approx(expected, rel=0.03)
+        assert ratio == pytest.approx(pipeline_bubble_fraction(4, vp or 1, 8), rel=0.03)
+
+
+def test_ring_all_reduce_moves_2_t_minus_1_over_t_of_the_tensor():
+    # TP all-reduce of one [s=4096, b=1, h=8192] bf16 activation (64 MiB) over 8 ranks at 306 GB/s bus
+    # bandwidth, which a 64 MiB collective reaches to 64/(64+16) (NCCL ramp measured on H200 NV18):
+    # 2 * 7/8 * 67,108,864 B / (306e9 * 0.8) = 479.7 us, + 10 us base + 2*7 steps * 1 us.
+    S = 4096 * 8192 * 2
+    ramp = S / (S + 16 * 2**20)
+    assert ramp == pytest.approx(0.8)
+    t = ring_collective_s(S, 8, 306.0, "all_reduce")
+    assert t == pytest.approx(2 * 7 / 8 * S / (306e9 * ramp) + 10e-6 + 14 * 1e-6, rel=1e-12)
+    # all-gather / reduce-scatter: half of the bytes and steps
+    assert ring_collective_s(S, 8, 306.0, "all_gather") == pytest.approx(7 / 8 * S / (306e9 * ramp) + 10e-6 + 7e-6, rel=1e-12)
+    assert ring_collective_s(S, 1, 306.0, "all_reduce") == 0.0
+    # a 1 MiB all-gather over 2 GPUs is latency-bound: ~40 us (measured 36 us on 2 H200, NCCL, NV18)
+    assert ring_collective_s(2**20, 2, 450 * perf.NVLINK_EFFICIENCY, "all_gather") == pytest.approx(36e-6, rel=0.15)
+
+
+def test_tp_all_reduces_without_sp_are_two_exposed_forward_and_two_hidden_backward_per_layer():
+    # TP2, no SP, one node: per layer the forward all-reduces after the attention projection and fc2
+    # are exposed; the backward all-reduces of the input grads run behind the wgrad GEMMs (qkv, fc1),
+    # costing only the SM tax. Plus the embedding all-reduce (fwd) and the output layer's input-grad
+    # all-reduce (behind its wgrad). AR = 2*(1/2)*S / (450 GB/s * NVLINK_EFFICIENCY * ramp) + latency,
+    # S = T*h*2 B = 64 MiB, ramp = 64/(64+16).
+    model = dict(num_layers=4, hidden_size=8192, num_attention_heads=64, vocab_size=32768, swiglu=False)
+    e = step_time(_plan(model, num_gpus=2, gbs=2, s=4096, tensor_model_parallel_size=2, sequence_parallel=False))
+    T, h = 4096, 8192
+    S = T * h * 2
+    ar = 2 * (1 / 2) * S / (450e9 * perf.NVLINK_EFFICIENCY * 0.8) + perf.COLLECTIVE_LATENCY_S + 2 * perf.NVLINK_HOP_LATENCY_S
+    tax = perf.OVERLAP_SM_TAX
+    per_microbatch = 4 * (2 * ar + 2 * tax * ar) + tax * ar + ar
+    assert e.breakdown.tp_comm_exposed_s == pytest.approx(2 * per_microbatch, rel=1e-6)
+
+
+def test_dp_reduce_scatter_and_all_gather_move_the_local_parameters_once_each():
+    # No overlap, distributed optimizer, TP1/PP1, 16 GPUs on 2 nodes: grads reduce-scattered in fp32
+    # and params all-gathered in bf16 over DP=16, (N-1)/N of P each. P per layer of a GPT block with
+    # biases and LayerNorm = 12h^2 + 13h (QKV 3h^2+3h, proj h^2+h, fc1 4h^2+4h, fc2 4h^2+h, 2 norms 4h),
+    # plus the tied embedding V*h. A group with 8 ranks per node spanning nodes gets 8 NICs, capped by
+    # NVLink: min(450 * 0.68, 8 * 50 * 0.85) = 306 GB/s, at the size ramp S/(S + 16 MiB).
+    L, h, V = 4, 4096, 128
+    model = dict(GPT_SMALL_VOCAB, num_layers=L)
+    e = step_time(_plan(model, num_gpus=16, gbs=16, overlap_grad_reduce=False, overlap_param_gather=False))
+    P = L * (12 * h * h + 13 * h) + V * h
+    bw = min(450e9 * perf.NVLINK_EFFICIENCY, 8 * 50e9 * perf.NETWORK_EFFICIENCY)
+    lat = perf.COLLECTIVE_LATENCY_S + 15 * perf.NETWORK_HOP_LATENCY_S
+    ramp = lambda S: S / (S + 16 * 2**20)  # noqa: E731
+    rs = 15 / 16 * P * 4 / (bw * ramp(P * 4)) + lat
+    ag = 15 / 16 * P * 2 / (bw * ramp(P * 2)) + lat
+    assert e.breakdown.dp_comm_exposed_s == pytest.approx(rs + ag, rel=1e-6)
+
+
+def test_selective_recompute_reruns_only_the_attention_forward():
+    # Fused attention: forward F/r, backward 2.5 F/r (FlashAttention-2 recomputes QK^T), so the
+    # recomputed forward is 1/3.5 of the attention time.
+    # (s = 8192 so the per-kernel launch cost is under 1% of the attention kernel)
+    e = step_time(_plan("llama3-8b", num_gpus=8, s=8192, gbs=8, recompute_granularity="selective"))
+    assert e.breakdown.recompute_s == pytest.approx(e.breakdown.attention_s / 3.5, rel=0.01)
+
+
+def test_full_recompute_costs_about_one_forward_pass():
+    base = _plan("llama3-8b", num_gpus=8, gbs=8, tensor_model_parallel_size=8, sequence_parallel=True)
+    full = base.model_copy(update={"parallelism": base.parallelism.model_copy(
+        update=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))})
+    e0, e1 = step_time(base), step_time(full)
+    # forward ~ 1/3 of fwd+bwd GEMM work; with attention (bwd 2.5x) and comm the share stays 25-40%
+    added = e1.iteration_time_s - e0.iteration_time_s
+    assert 0.25 < added / (e0.iteration_time_s - e0.breakdown.optimizer_s - e0.breakdown.overhead_s) < 0.40
+    assert e1.breakdown.recompute_s == pytest.approx(added, rel=1e-6)
+    assert e1.hfu_bf16_causal_pct > e1.mfu_bf16_causal_pct
+
+
+# --------------------------------------------------------------------------------------------- relations
+
+
+def test_more_virtual_stages_shrink_the_bubble():
+    kw = dict(num_gpus=64, gbs=64, tensor_model_parallel_size=4, pipeline_model_parallel_size=8, sequence_parallel=True)
+    bubbles = [step_time(_plan("llama3-70b", virtual_pipeline_model_parallel_size=v, **kw)).breakdown.pipeline_bubble_s
+               for v in (None, 2, 5)]
+    assert bubbles[0] > bubbles[1] > bubbles[2]
+    assert bubbles[1] / bubbles[0] == pytest.approx(1 / 2, rel=0.05)
+
+
+def test_tp_spanning_nodes_is_slower_than_inside_one_nvlink_domain():
+    kw = dict(num_gpus=16, gbs=16, tensor_model_parallel_size=16, sequence_parallel=True)
+    inside = step_time(_plan("llama3-70b", gpn=16, **kw))
+    across = step_time(_plan("llama3-70b", gpn=8, **kw))
+    assert across.breakdown.tp_comm_exposed_s > 1.05 * inside.breakdown.tp_comm_exposed_s
+    assert across.iteration_time_s > inside.iteration_time_s
+
+
+def test_fp8_speeds_up_large_gemms_but_not_attention():
+    kw = dict(num_gpus=64, gbs=64, tensor_model_parallel_size=4, pipeline_model_parallel_size=4, sequence_parallel=True)
+    bf16 = step_time(_plan("llama3-70b", **kw))
+    fp8 = step_time(_plan("llama3-70b", precision="fp8", **kw))
+    assert fp8.breakdown.gemm_s < 0.7 * bf16.breakdown.gemm_s
+    assert fp8.breakdown.attention_s == pytest.approx(bf16.breakdown.attention_s)
+    assert fp8.iteration_time_s < bf16.iteration_time_s
+    # MFU is reported against both peaks for FP8 only; FP8 peak = 2x BF16 on Hopper
+    assert bf16.mfu_fp8_causal_pct is None
+    assert fp8.mfu_fp8_causal_pct == pytest.approx(fp8.mfu_bf16_causal_pct * 989.4 / 1978.9)
+
+
+def test_overlapping_grad_reduce_and_param_gather_reduces_exposed_dp_time():
+    kw = dict(num_gpus=64, gbs=64, tensor_model_parallel_size=8)
+    exposed = {}
+    for flags in ((False, False), (True, False), (True, True)):
+        e = step_time(_plan("llama3-8b", overlap_grad_reduce=flags[0], overlap_param_gather=flags[1], **kw))
+        exposed[flags] = e.breakdown.dp_comm_exposed_s
+    assert exposed[(False, False)] > exposed[(True, False)] > exposed[(True, True)]
+
+
+def test_unfused_attention_is_slower_than_fused_and_grows_with_s_squared():
+    kw = dict(num_gpus=1, gbs=8)
+    fused = step_time(_plan("gpt3-1.3b", s=2048, mbs=4, impl=dict(transformer_impl="local", attention_backend="fused"), **kw))
+    local = step_time(_plan("gpt3-1.3b", s=2048, mbs=4, impl=dict(transformer_impl="local", attention_backend="local"), **kw))
+    local4k = step_time(_plan("gpt3-1.3b", s=4096, mbs=2, gbs=4, impl=dict(transformer_impl="local", attention_backend="local"),
+                              num_gpus=1))
+    assert local.breakdown.attention_s > 4 * fused.breakdown.attention_s
+    # same tokens per micro-batch, twice the sequence: unfused attention work doubles (b*s^2)
+    assert local4k.breakdown.attention_s / local.breakdown.attention_s == pytest.approx(2.0, rel=0.05)
+
+
+def test_expert_all_to_all_across_nodes_is_slower_than_inside_a_node():
+    kw = dict(num_gpus=16, gbs=16, expert_model_parallel_size=8, pipeline_model_parallel_size=2)
+    inside = step_time(_plan("mixtral-8x7b", gpn=8, **kw))
+    across = step_time(_plan("mixtral-8x7b", gpn=4, **kw))
+    assert across.breakdown.ep_comm_s > 2 * inside.breakdown.ep_comm_s
+
+
+def test_vectorised_path_matches_step_time_plan_by_plan():
+    shape = resolve_model(ModelSpec(name="llama3-8b"))
+    hw = hardware_params(ClusterSpec(gpu="h100-sxm", num_gpus=64))
+    tp = np.array([1, 2, 4, 8])
+    pp = np.array([4, 2, 1, 1])
+    dp = 64 // (tp * pp)
+    r = step_time_arrays(shape, hw, 4096, 256, tp=tp, pp=pp, dp=dp, micro_batch_size=1, sequence_parallel=tp > 1)
+    for i in range(4):
+        e = step_time(_plan("llama3-8b", num_gpus=64, gbs=256, tensor_model_parallel_size=int(tp[i]),
+                            pipeline_model_parallel_size=int(pp[i]), sequence_parallel=bool(tp[i] > 1)))
+        assert r["iteration_time_s"][i] == pytest.approx(e.iteration_time_s, rel=1e-12)
+
+
+def test_fp8_on_a_gpu_without_fp8_names_the_field():
+    with pytest.raises(ValueError, match="training.precision"):
+        step_time(_plan("llama3-8b", gpu="a100-80gb", precision="fp8"))
+
+
+# --------------------------------------------------------------------------------------------- anchors
+
+
+def test_anchor_h200_device_measurement_sdpa_within_10_percent():
+    # shared/data/device-measurements-h200.jsonl row 4: megatron-core 0.19.2 on one H200, GPT 1.3B
+    # (24 x 2048, 16 heads, GeLU, LayerNorm, RoPE, untied, V 32768), seq 2048, mbs 8, gbs 32, torch SDPA
+    # in the local spec, fp32 grads, no distributed optimizer: 49,798 tokens/s/GPU (iteration 1.316 s).
+    plan = _plan(dict(num_layers=24, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=32768,
+                      swiglu=False, normalization="LayerNorm", add_bias_linear=True,
+                      untie_embeddings_and_output_weights=True, position_embedding_type="rope"),
+                 gpu="h200", num_gpus=1, s=2048, gbs=32, mbs=8, use_distributed_optimizer=False,
+                 overlap_grad_reduce=False, overlap_param_gather=False,
+                 impl=dict(transformer_impl="local", attention_backend="auto", cross_entropy_loss_fusion=False))
+    assert step_time(plan).tokens_per_s_per_gpu == pytest.approx(49798, rel=0.10)
+
+
+def test_anchor_korthikanti_175b_selective_iteration_time_within_10_percent():
+    # Korthikanti et al. 2022 (arXiv 2205.05198) Table 5: GPT-3 175B, TP8 PP8, 64 A100-80GB, B=64,
+    # s=2048, selective recompute + SP: 13.75 s per iteration. 2022 Megatron: no distributed
+    # optimizer, no DP overlap, unfused attention with the fused softmax kernel.
+    plan = _plan("gpt3-175b", gpu="a100-80gb", num_gpus=64, s=2048, gbs=64, tensor_model_parallel_size=8,
+                 pipeline_model_parallel_size=8, sequence_parallel=True, recompute_granularity="selective",
+                 use_distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False,
+                 impl=dict(attention_backend="unfused", cross_entropy_loss_fusion=False))
+    assert step_time(plan).iteration_time_s == pytest.approx(13.75, rel=0.10)
+
+
+def test_anchor_nemo_llama2_70b_fp8_tokens_per_second_within_10_percent():
+    # NeMo 24.07 performance summary (NVIDIA/NeMo docs/source/performance/performance_summary.md @
+    # 8e3d65dcfe): Llama2-70B FP8 pretraining on 64 H100, TP4 PP4 VP20, mbs 1, gbs 128, seq 4096:
+    # 1,728 tokens/s/GPU.
+    plan = _plan("llama2-70b", num_gpus=64, gbs=128, precision="fp8", tensor_model_parallel_size=4,
+                 pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=20, sequence_parallel=True,
+                 tp_comm_overlap=True)
+    assert step_time(plan).tokens_per_s_per_gpu == pytest.approx(1728, rel=0.10)
+
+
+def test_vectorised_path_scores_moe_and_recompute_grids_in_one_call():
+    shape = resolve_model(ModelSpec(name="mixtral-8x7b"))
+    hw = hardware_params(ClusterSpec(gpu="h100-sxm", num_gpus=64))
+    ep = np.array([1, 2, 4, 8])[:, None]
+    rc = np.array([0, 1, 2])[None, :]
+    r = step_time_arrays(shape, hw, 4096, 256, tp=2, pp=4, dp=8, ep=ep, sequence_parallel=True, recompute=rc)
+    t = r["iteration_time_s"]
+    assert t.shape == (4, 3) and np.all(np.isfinite(t)) and np.all(t > 0)
+    # recompute never speeds a step up; full costs more than selective
+    assert np.all(t[:, 0] <= t[:, 1]) and np.all(t[:, 1] < t[:, 2])
+    # more EP, fewer local experts: the expert GEMM time per GPU does not grow
+    assert np.all(np.diff(r["gemm_s"][:, 0]) <= 1e-12)
