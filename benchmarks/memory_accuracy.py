@@ -1,0 +1,181 @@
+"""Accuracy of tools/memory.memory_breakdown against measured peak memory.
+
+Rows:
+1. shared/data/device-measurements-h200.jsonl: megatron-core 0.19.2, local spec on one H200
+   (unfused DotProductAttention or torch SDPA swapped in), bf16, fp32 grad buffer, Float16
+   optimizer without the distributed optimizer, torch.cuda.max_memory_allocated().
+2. Megatron-Bridge memory-tuning skill (published-runs-dev.csv, MBRIDGE_SKILL_MEMTUNE): Llama3-70B
+   SFT FP8 current scaling on 32 H100. Planned as Bridge's recipe defaults imply: TE, FP8
+   'tensorwise' with fp8_param_gather (bf16_with_fp8_current_scaling_mixed), grad_reduce_in_fp32
+   (bf16_mixed), distributed optimizer, SP, TE fused cross entropy, no recompute, s = 4096 tokens
+   per microbatch. Assumed: "GB" = GiB of max_memory_allocated on the most-loaded rank. Unknown:
+   the reporting rank, SFT sequence packing, CUDA graphs / TP-overlap buffers. A weak anchor.
+3. Any GPU sweep result another engineer left in benchmarks/results/*.json with a plan and a
+   measured peak allocated (a number, or a per-rank list whose max is taken).
+
+The predictor never sees these numbers; only this script reads them.
+
+    .venv/bin/python benchmarks/memory_accuracy.py      # writes benchmarks/results/memory_accuracy.txt
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from mcore_advisor.schemas import (
+    ClusterSpec,
+    ImplementationSpec,
+    ModelSpec,
+    ParallelismSpec,
+    Plan,
+    TrainingSpec,
+)
+from mcore_advisor.tools.memory import memory_breakdown
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SHARED = ROOT.parent / "shared"
+DEVICE_JSONL = SHARED / "data" / "device-measurements-h200.jsonl"
+DEV_CSV = SHARED / "data" / "published-runs-dev.csv"
+
+
+RESERVED: dict[str, float] = {}  # label -> measured max_memory_reserved where the source gives it
+
+
+CE_IMPL: dict[str, str] = {}  # label -> Megatron --cross-entropy-fusion-impl where not 'native'
+
+
+def _h200_rows() -> list[tuple[str, str, Plan, float]]:
+    out = []
+    if not DEVICE_JSONL.exists():
+        return out
+    for line in DEVICE_JSONL.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        m = r["model"]
+        full = r["recompute"] == "full"
+        attn = "unfused" if "unfused" in r["core_attention"] else "flash"
+        plan = Plan(
+            model=ModelSpec(num_layers=m["num_layers"], hidden_size=m["hidden_size"], num_attention_heads=m["num_attention_heads"],
+                            ffn_hidden_size=m["ffn_hidden_size"], vocab_size=m["padded_vocab_size"], swiglu=False,
+                            normalization="LayerNorm", add_bias_linear=True, untie_embeddings_and_output_weights=True,
+                            position_embedding_type="rope"),
+            cluster=ClusterSpec(gpu="h200", num_gpus=1),
+            training=TrainingSpec(seq_length=m["seq_length"], global_batch_size=r["global_batch_size"],
+                                  micro_batch_size=r["micro_batch_size"]),
+            parallelism=ParallelismSpec(use_distributed_optimizer=False, recompute_granularity="full" if full else None,
+                                        recompute_method="uniform" if full else None,
+                                        recompute_num_layers=1 if full else None),
+            implementation=ImplementationSpec(transformer_impl="local", attention_backend=attn, grad_reduce_in_fp32=True,
+                                              cross_entropy_loss_fusion=False),
+        )
+        label = f"H200 L{m['num_layers']} h{m['hidden_size']} s{m['seq_length']} mbs{r['micro_batch_size']} {attn} recompute={r['recompute']}"
+        out.append((label, "device-measurements-h200.jsonl", plan, float(r["peak_allocated_gib"])))
+        RESERVED[label] = float(r["peak_reserved_gib"])
+    return out
+
+
+def _bridge_rows() -> list[tuple[str, str, Plan, float]]:
+    out = []
+    if not DEV_CSV.exists():
+        return out
+    with DEV_CSV.open() as f:
+        for r in csv.DictReader(f):
+            if r["source"] != "MBRIDGE_SKILL_MEMTUNE":
+                continue
+            measured = float(r["notes"].split("MEASURED peak memory ")[1].split(" GB")[0])
+            tp, pp, vp = int(r["tp"]), int(r["pp"]), int(r["vp"]) if r["vp"] else None
+            plan = Plan(
+                model=ModelSpec(name="llama3-70b"),
+                cluster=ClusterSpec(gpu="h100-sxm", num_gpus=int(r["num_gpus"])),
+                training=TrainingSpec(seq_length=int(r["seq_len"]), global_batch_size=int(r["gbs"]), micro_batch_size=int(r["mbs"]),
+                                      precision="fp8", fp8_recipe="tensorwise", fp8_param_gather=True),
+                parallelism=ParallelismSpec(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                            virtual_pipeline_model_parallel_size=vp, sequence_parallel=tp > 1,
+                                            use_distributed_optimizer=True, tp_comm_overlap=True),
+                implementation=ImplementationSpec(grad_reduce_in_fp32=True, cross_entropy_loss_fusion=True),
+            )
+            label = f"H100 Llama3-70B SFT FP8-CS TP{tp} PP{pp} VP{vp} DP{r['dp']}"
+            CE_IMPL[label] = "te"  # Megatron-Bridge GPTModelProvider: cross_entropy_fusion_impl = "te"
+            out.append((label, "MBRIDGE_SKILL_MEMTUNE", plan, measured))
+    return out
+
+
+def _peak(value) -> float | None:
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, list) and value and all(isinstance(v, int | float) for v in value):
+        return float(max(value))
+    return None
+
+
+def _load_items(p: Path) -> list:
+    try:
+        if p.suffix == ".jsonl":
+            return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return []
+    return data if isinstance(data, list) else data.get("runs") or data.get("results") or [data]
+
+
+def _sweep_rows() -> list[tuple[str, str, Plan, float]]:
+    """benchmarks/results/*.json(l): rows with a 'plan' and a measured peak allocated GiB, either at
+    the top level or in 'result' (benchmarks/gpu/runner.py rows: per-rank list, max taken)."""
+    out = []
+    for p in sorted([*RESULTS.glob("*.json"), *RESULTS.glob("*.jsonl")]):
+        for i, it in enumerate(_load_items(p)):
+            if not isinstance(it, dict) or it.get("status", "ok") != "ok":
+                continue
+            res = it.get("result") or {}
+            plan_d = it.get("plan") or (it.get("spec") or {}).get("plan")
+            measured = _peak(it.get("peak_allocated_gib") or res.get("peak_allocated_gib"))
+            if plan_d is None or measured is None:
+                continue
+            try:
+                plan = Plan.model_validate(plan_d)
+            except ValueError:
+                continue
+            ran_impl = res.get("transformer_impl")
+            if ran_impl in ("local", "transformer_engine") and ran_impl != plan.implementation.transformer_impl:
+                # The profile job falls back to the local spec where Transformer Engine is missing.
+                plan = plan.model_copy(update={"implementation": plan.implementation.model_copy(update={"transformer_impl": ran_impl})})
+            out.append((it.get("label") or it.get("name") or f"{p.stem}[{i}]", p.name, plan, measured))
+    return out
+
+
+def main() -> int:
+    rows = _h200_rows() + _bridge_rows() + _sweep_rows()
+    lines = [f"{'case':70s} {'source':32s} {'pred GiB':>9s} {'meas GiB':>9s} {'err %':>7s}  most-loaded (first/middle/last peaks)"]
+    errs: dict[str, list[float]] = {}
+    for label, src, plan, measured in rows:
+        bd = memory_breakdown(plan, cross_entropy_fusion_impl=CE_IMPL.get(label, "native"))  # type: ignore[arg-type]
+        err = 100.0 * (bd.peak_allocated_gib / measured - 1.0)
+        group = "h200" if src.startswith("device") else ("bridge" if src.startswith("MBRIDGE") else "sweep")
+        errs.setdefault(group, []).append(err)
+        per_stage = "/".join(f"{s.peak_allocated_gib:.1f}" for s in bd.stages)
+        res = RESERVED.get(label)
+        res_txt = f"  reserved pred {bd.peak_reserved_gib:.2f} meas {res:.2f}" if res is not None else ""
+        lines.append(f"{label:70s} {src:32s} {bd.peak_allocated_gib:9.2f} {measured:9.2f} {err:+7.2f}  "
+                     f"rank {bd.most_loaded_pipeline_rank} ({bd.most_loaded_role}) [{per_stage}]{res_txt}")
+    lines.append("")
+    all_errs = [e for v in errs.values() for e in v]
+    for name, v in [*errs.items(), ("all", all_errs)]:
+        if v:
+            a = [abs(e) for e in v]
+            lines.append(f"{name:7s} n={len(v):3d}  median |err| {statistics.median(a):5.2f}%  max |err| {max(a):5.2f}%  "
+                         f"mean signed {statistics.fmean(v):+5.2f}%")
+    text = "\n".join(lines) + "\n"
+    sys.stdout.write(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "memory_accuracy.txt").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

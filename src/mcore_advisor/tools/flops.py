@@ -1,0 +1,262 @@
+"""Training FLOPs as Megatron-LM counts them, in both attention conventions, plus hardware FLOPs.
+
+Model FLOPs reproduce `num_floating_point_operations` in Megatron-LM
+`megatron/training/training.py` (HEAD): every GEMM counted x2 (multiply-add) and x3 (forward,
+data-gradient, weight-gradient); norms, softmax, activations, router and embedding lookup are
+ignored; recompute is not counted. Two conventions for the core-attention term (QK^T and PV):
+
+- 'causal': Megatron since commit 8873b55d6a (2025-03-06) counts half of the s x s matrix
+  (causal mask). This is what Megatron >= 0.12 prints as "throughput per GPU (TFLOP/s/GPU)".
+- 'full':   the full s x s matrix, as Megatron before 2025-03, NeMo 24.x, Narayanan 2021 and
+  Korthikanti 2022 (their 72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h)) for GPT-3 shapes).
+
+'causal' = 'full' - half the core-attention term; every other term is identical. (For MoE,
+pre-2025-03 Megatron also used ffn_hidden_size for every layer and ignored dense layers and
+shared experts; 'full' here keeps HEAD's per-layer MoE accounting and changes only attention.)
+
+Megatron multiplies the logits term by `args.padded_vocab_size` (Megatron's
+`_vocab_size_with_padding`: V rounded up to make_vocab_size_divisible_by * TP), so TP can change
+the count by a few ppm; pass `tensor_model_parallel_size` (or an explicit padded vocab).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mcore_advisor.schemas import ModelShape
+
+Convention = Literal["causal", "full"]
+
+# Megatron's constants: 3 GEMMs per weight per step (fwd, dgrad, wgrad), 2 FLOPs per multiply-add.
+_FWD_BWD = 3
+_FMA = 2
+_GEMM = _FWD_BWD * _FMA
+
+
+class FlopsPerToken(BaseModel):
+    """Training FLOPs (forward + backward, model FLOPs) per token of one sequence, by part.
+
+    Each part is summed over all layers (MTP layers included where Megatron counts them). The
+    forward pass is exactly one third of every part. `total_flops` is Megatron's per-token count;
+    multiply by global_batch_size * seq_length for one iteration.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    convention: Convention = Field(description="'causal' (Megatron >= 2025-03) or 'full' (full s^2 core attention).")
+    seq_length: int
+    padded_vocab_size: int = Field(description="Vocab size used for the logits term (Megatron uses the padded vocab).")
+    num_attention_layers: int = Field(description="Layers with self-attention: num_layers + mtp_num_layers.")
+    attention_linear_flops: float = Field(description="QKV (or MLA down/up) and output projections, all attention layers.")
+    core_attention_flops: float = Field(description="QK^T and softmax(QK^T)V, all attention layers, in `convention`.")
+    dense_mlp_flops: float = Field(description="Dense MLP GEMMs (fc1 incl. the SwiGLU gate, fc2), all dense layers.")
+    moe_routed_flops: float = Field(description="Routed experts: top-k experts per token, all MoE layers (router GEMM not counted, as Megatron).")
+    moe_shared_flops: float = Field(description="Shared expert(s), all MoE layers.")
+    mtp_extra_flops: float = Field(description="MTP eh-projection and norms (Megatron's 3h + 2h^2 per MTP layer).")
+    logits_flops: float = Field(description="Output layer h x V, once plus once per MTP layer.")
+    total_flops: float = Field(description="Sum of the parts: Megatron's FLOPs per token.")
+
+    @property
+    def layer_flops(self) -> float:
+        """FLOPs of the transformer layers (everything except logits and MTP extras)."""
+        return (
+            self.attention_linear_flops
+            + self.core_attention_flops
+            + self.dense_mlp_flops
+            + self.moe_routed_flops
+            + self.moe_shared_flops
+        )
+
+
+def _layer_counts(shape: ModelShape) -> tuple[int, int, int]:
+    """(dense MLP layers, MoE layers, attention layers) incl. MTP layers, as Megatron counts them.
+
+    Megatron: MTP layers copy the type of the last decoder layer (dense or MoE).
+    """
+    mtp = shape.mtp_num_layers
+    if shape.num_experts:
+        moe = shape.num_moe_layers
+        dense = shape.num_layers - moe
+        last_is_moe = shape.moe_layer_pattern[-1]
+        moe += last_is_moe * mtp
+        dense += (1 - last_is_moe) * mtp
+    else:
+        dense, moe = shape.num_layers + mtp, 0
+    return dense, moe, shape.num_layers + mtp
+
+
+def attention_flops_per_token_per_layer(shape: ModelShape, seq_length: int, convention: Convention = "causal") -> tuple[float, float]:
+    """(linear, core) fwd+bwd FLOPs per token for one attention layer.
+
+    MHA/GQA (training.py transformer_flops): linear = 6*(h*(q + 2*g*d) + q*h) with q = n*d;
+    core = 6*q*s*(1/2 causal)*2 (QK^T and PV). MLA: linear = 6*(q_term + r_kv*(h + n*(d_qk + d_v) + 1)
+    + h*d_rope + n*d_v*h), core = 6*s*(n*(d_qk + d_rope) + n*d_v)/2 for causal.
+    """
+    h, n, s = shape.hidden_size, shape.num_attention_heads, seq_length
+    causal_factor = 0.5 if convention == "causal" else 1.0
+    if shape.multi_latent_attention:
+        d_qk, d_rope, d_v, r_kv = shape.qk_head_dim, shape.qk_pos_emb_head_dim, shape.v_head_dim, shape.kv_lora_rank
+        if shape.q_lora_rank is None:
+            q_term = h * n * (d_qk + d_rope)
+        else:
+            q_term = shape.q_lora_rank * (h + n * (d_qk + d_rope) + 1)
+        linear = q_term + r_kv * (h + n * (d_qk + d_v) + 1) + h * d_rope + n * d_v * h
+        core = s * (n * (d_qk + d_rope) + n * d_v) * causal_factor
+    else:
+        d = shape.kv_channels
+        q = n * d
+        kv = 2 * shape.num_query_groups * d
+        linear = h * (q + kv) + q * h
+        core = q * s * causal_factor * 2
+    return _GEMM * linear, _GEMM * core
+
+
+def flops_per_token_breakdown(
+    shape: ModelShape,
+    seq_length: int,
+    convention: Convention = "causal",
+    *,
+    tensor_model_parallel_size: int = 1,
+    padded_vocab_size: int | None = None,
+) -> FlopsPerToken:
+    """Megatron's model FLOPs per token (fwd+bwd), split into the parts a step-time model times.
+
+    `padded_vocab_size` defaults to shape.padded_vocab_size(tensor_model_parallel_size), which is
+    what Megatron's `args.padded_vocab_size` holds after tokenizer setup.
+    """
+    if convention not in ("causal", "full"):
+        raise ValueError(f"convention must be 'causal' or 'full', got {convention!r}")
+    V = padded_vocab_size if padded_vocab_size is not None else shape.padded_vocab_size(tensor_model_parallel_size)
+    h = shape.hidden_size
+    dense, moe, attn_layers = _layer_counts(shape)
+    # SwiGLU: fc1 is h -> 2f (gate + up) and fc2 f -> h, i.e. 3 h*f GEMMs; GeLU: 2.
+    ffn_mult = 3 if shape.swiglu else 2
+    lin, core = attention_flops_per_token_per_layer(shape, seq_length, convention)
+    mtp = shape.mtp_num_layers
+    parts = dict(
+        attention_linear_flops=float(lin * attn_layers),
+        core_attention_flops=float(core * attn_layers),
+        dense_mlp_flops=float(_GEMM * h * shape.ffn_hidden_size * ffn_mult * dense),
+        moe_routed_flops=float(_GEMM * h * shape.moe_ffn_hidden_size * shape.moe_router_topk * ffn_mult * moe),
+        moe_shared_flops=float(_GEMM * h * shape.moe_shared_expert_intermediate_size * ffn_mult * moe),
+        # training.py: "MTP eh norm + final norm" 3h and "eh proj" 2h*h per MTP layer.
+        mtp_extra_flops=float(_GEMM * mtp * (3 * h + 2 * h * h)),
+        logits_flops=float(_GEMM * h * V * (mtp + 1)),
+    )
+    return FlopsPerToken(
+        convention=convention,
+        seq_length=seq_length,
+        padded_vocab_size=V,
+        num_attention_layers=attn_layers,
+        total_flops=sum(parts.values()),
+        **parts,
+    )
+
+
+def flops_per_iteration(
+    shape: ModelShape,
+    seq_length: int,
+    global_batch_size: int,
+    convention: Convention = "causal",
+    *,
+    tensor_model_parallel_size: int = 1,
+    padded_vocab_size: int | None = None,
+) -> float:
+    """Model FLOPs of one global batch: Megatron's num_floating_point_operations(args, gbs).
+
+    Divide by (iteration time * 1e12 * world size) for Megatron's TFLOP/s/GPU log figure (in the
+    'causal' convention for Megatron >= 2025-03, 'full' for older releases and NeMo 24.x).
+    """
+    per_token = flops_per_token_breakdown(
+        shape, seq_length, convention,
+        tensor_model_parallel_size=tensor_model_parallel_size, padded_vocab_size=padded_vocab_size,
+    )
+    return per_token.total_flops * global_batch_size * seq_length
+
+
+def recomputed_layer_fraction(
+    num_layers_per_chunk: int,
+    recompute_method: Literal["uniform", "block"] | None,
+    recompute_num_layers: int | None,
+) -> float:
+    """Fraction of a model chunk's layers whose forward is rerun under full recompute.
+
+    Megatron `TransformerBlock._checkpointed_forward`: 'uniform' checkpoints groups of
+    recompute_num_layers layers and reruns every group, so every layer is recomputed; 'block'
+    checkpoints only the first recompute_num_layers layers of each model chunk (each virtual
+    stage), the rest keep their activations.
+    """
+    if num_layers_per_chunk <= 0:
+        return 0.0
+    if recompute_method == "block":
+        r = recompute_num_layers if recompute_num_layers is not None else num_layers_per_chunk
+        return min(r, num_layers_per_chunk) / num_layers_per_chunk
+    return 1.0
+
+
+def hardware_flops_per_iteration(
+    shape: ModelShape,
+    seq_length: int,
+    global_batch_size: int,
+    convention: Convention = "causal",
+    *,
+    recompute_granularity: Literal["selective", "full"] | None = None,
+    recompute_method: Literal["uniform", "block"] | None = None,
+    recompute_num_layers: int | None = None,
+    recompute_modules: list[str] | None = None,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    tensor_model_parallel_size: int = 1,
+    padded_vocab_size: int | None = None,
+    selective_form: Literal["korthikanti", "exact"] = "korthikanti",
+) -> float:
+    """FLOPs the GPUs actually execute per iteration: model FLOPs + recomputed forward work (HFU).
+
+    - selective (core_attn, Megatron's default module): Korthikanti et al. 2022 (arXiv 2205.05198,
+      Sec. 6) count hardware FLOPs as 72*B*s*L*h^2*(1 + s/(3h) + V/(12*L*h)) vs model
+      72*B*s*L*h^2*(1 + s/(6h) + ...): the whole core-attention term is added once more.
+      `selective_form='korthikanti'` (default) follows that, which reproduces their published HFU
+      (175B: 51.4% MFU -> 52.8% HFU). `'exact'` adds only the rerun forward of core attention
+      (one third of its fwd+bwd term), which is what the GPU does.
+      Other selective modules: 'mlp', 'moe', 'shared_experts' rerun their GEMM forward (1/3 of
+      their term); 'layernorm' and 'moe_act' rerun no GEMM; 'mla_up_proj' reruns MLA's
+      up-projections, which this breakdown does not separate (not added).
+    - full: one extra forward of every recomputed layer (Narayanan et al. 2021:
+      96*B*s*L*h^2*(1 + s/(6h) + V/(16*L*h)) = 4/3 of the layer FLOPs, logits not recomputed), for the
+      fraction of layers implied by recompute_method / recompute_num_layers per model chunk.
+    """
+    bd = flops_per_token_breakdown(
+        shape, seq_length, convention,
+        tensor_model_parallel_size=tensor_model_parallel_size, padded_vocab_size=padded_vocab_size,
+    )
+    extra = 0.0
+    if recompute_granularity == "selective":
+        modules = recompute_modules if recompute_modules is not None else ["core_attn"]
+        if "core_attn" in modules:
+            extra += bd.core_attention_flops * (1.0 if selective_form == "korthikanti" else 1.0 / _FWD_BWD)
+        if "mlp" in modules:
+            extra += bd.dense_mlp_flops / _FWD_BWD
+        if "moe" in modules:
+            extra += (bd.moe_routed_flops + bd.moe_shared_flops) / _FWD_BWD
+        elif "shared_experts" in modules:
+            extra += bd.moe_shared_flops / _FWD_BWD
+    elif recompute_granularity == "full":
+        pp = pipeline_model_parallel_size
+        vp = (virtual_pipeline_model_parallel_size or 1) if pp > 1 else 1
+        per_chunk = max(1, shape.num_layers // (pp * vp))
+        frac = recomputed_layer_fraction(per_chunk, recompute_method, recompute_num_layers)
+        # MTP layers live outside the decoder block and are not part of its checkpointing.
+        decoder_share = shape.num_layers / bd.num_attention_layers
+        extra += bd.layer_flops * decoder_share * frac / _FWD_BWD
+    return (bd.total_flops + extra) * global_batch_size * seq_length
+
+
+def gpt3_closed_form_flops(global_batch_size: int, seq_length: int, num_layers: int, hidden_size: int, vocab_size: int) -> float:
+    """Korthikanti 2022 / Narayanan 2021 model FLOPs, 'full' convention: 72*B*s*L*h^2*(1 + s/(6h) + V/(12*L*h)).
+
+    Valid for MHA, ffn = 4h, no SwiGLU; kept as an independent cross-check of the general formula.
+    """
+    B, s, L, h, V = global_batch_size, seq_length, num_layers, hidden_size, vocab_size
+    return 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
