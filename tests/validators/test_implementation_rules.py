@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from mcore_advisor.validators import validate
+
 IMPL = "implementation.transformer_impl"
 BACKEND = "implementation.attention_backend"
 
@@ -186,3 +188,11 @@ def test_allgather_dispatcher_with_expert_parallel_is_info(kit):
 def test_grouped_gemm_off_with_several_local_experts_is_info(kit):
     f = kit.one(_moe(kit, ep=1, moe_grouped_gemm=False), "grouped_gemm_off")
     assert f.severity == "info" and "the 8 local experts" in f.message
+
+
+def test_te_cross_entropy_needs_the_transformer_engine_spec(kit):
+    p = kit.plan(implementation={"cross_entropy_fusion_impl": "te", "transformer_impl": "local"})
+    f = kit.one(p, "te_cross_entropy_needs_transformer_engine")
+    assert f.severity == "error" and "implementation.cross_entropy_fusion_impl" in f.fields
+    ok = kit.plan(implementation={"cross_entropy_fusion_impl": "te"})
+    assert "te_cross_entropy_needs_transformer_engine" not in [x.code for x in validate(ok)]

@@ -431,7 +431,7 @@ def _is_unfused(attention_backend: str) -> bool:
     return attention_backend in ("unfused", "local")
 
 
-def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native", "te"] = "native") -> MemoryBreakdown:
+def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native", "te"] | None = None) -> MemoryBreakdown:
     """Per-GPU memory on the most-loaded rank of `plan` (see the module docstring for definitions).
 
     `cross_entropy_fusion_impl` is Megatron's --cross-entropy-fusion-impl: 'native' (Megatron-LM's
@@ -451,6 +451,8 @@ def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native",
     fp8 = tr.precision == "fp8"
     sp = par.sequence_parallel and tp > 1
     unfused = _is_unfused(im.attention_backend)
+    if cross_entropy_fusion_impl is None:
+        cross_entropy_fusion_impl = im.cross_entropy_fusion_impl
     assumptions: list[str] = [
         "dropout 0 (hidden and attention), as modern LLM recipes use",
         "fused bias-activation (Megatron-LM default); no gradient-accumulation fusion (needs Apex); "

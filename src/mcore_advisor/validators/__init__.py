@@ -21,7 +21,7 @@ layout_errors(shape, gpu_spec, num_gpus, gpus_per_node, seq_length, global_batch
     recompute_granularity, recompute_method, recompute_num_layers, recompute_modules,
     overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, decoder_first_pipeline_num_layers,
     decoder_last_pipeline_num_layers, transformer_impl, attention_backend,
-    moe_token_dispatcher_type, moe_grouped_gemm, use_torch_fsdp2, nvlink_bandwidth_gbps,
+    moe_token_dispatcher_type, moe_grouped_gemm, use_torch_fsdp2, cross_entropy_fusion_impl, nvlink_bandwidth_gbps,
     scaleout_bandwidth_gbps, gpu_memory_gib) with the Plan's defaults, plus `kv_channels_given`
     (None = inferred from the shape). It returns exactly
     `[f.code for f in errors(validate(plan))]` for the equivalent plan (same order); a test checks
@@ -110,6 +110,7 @@ def _ctx_from_plan(plan: Plan) -> Ctx:
         use_torch_fsdp2=im.use_torch_fsdp2,
         decoder_first_pipeline_num_layers=p.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=p.decoder_last_pipeline_num_layers,
+        cross_entropy_fusion_impl=im.cross_entropy_fusion_impl,
     )
 
 
@@ -156,6 +157,7 @@ def _defaults() -> dict[str, object]:
             "moe_token_dispatcher_type",
             "moe_grouped_gemm",
             "use_torch_fsdp2",
+            "cross_entropy_fusion_impl",
         ),
         ClusterSpec: ("nvlink_bandwidth_gbps", "scaleout_bandwidth_gbps", "gpu_memory_gib"),
     }

@@ -91,6 +91,7 @@ class Ctx:
     use_torch_fsdp2: bool
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
+    cross_entropy_fusion_impl: str = "native"
     # derived
     etp: int = 0
     vp: int = 1  # model chunks per stage actually built (1 unless interleaved)
@@ -154,6 +155,7 @@ def make_ctx(
     use_torch_fsdp2: bool,
     decoder_first_pipeline_num_layers: int | None = None,
     decoder_last_pipeline_num_layers: int | None = None,
+    cross_entropy_fusion_impl: str = "native",
 ) -> Ctx:
     tp, pp, cp, ep = (
         tensor_model_parallel_size,
@@ -200,6 +202,7 @@ def make_ctx(
         use_torch_fsdp2=use_torch_fsdp2,
         decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers,
+        cross_entropy_fusion_impl=cross_entropy_fusion_impl,
     )
     # Megatron: expert_tensor_parallel_size defaults to TP (validate_args / ModelParallelConfig).
     c.etp = expert_tensor_parallel_size or tp

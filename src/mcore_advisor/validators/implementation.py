@@ -366,3 +366,18 @@ def _grouped(c: Ctx):
         "one launch each",
         "set implementation.moe_grouped_gemm true",
     )
+
+
+@rule(
+    "te_cross_entropy_needs_transformer_engine",
+    "error",
+    AREA,
+    "TE's cross entropy needs the TE layer spec",
+    when=lambda c: c.cross_entropy_fusion_impl == "te" and c.transformer_impl != "transformer_engine",
+)
+def _te_ce(c: Ctx):
+    return (
+        ["implementation.cross_entropy_fusion_impl", TRANSFORMER_IMPL],
+        "cross_entropy_fusion_impl 'te' is Transformer Engine's kernel, which the local spec does not load",
+        "set implementation.cross_entropy_fusion_impl native, or transformer_impl transformer_engine",
+    )

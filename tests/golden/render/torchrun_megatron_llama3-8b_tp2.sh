@@ -65,7 +65,7 @@ PROGRAM_ARGS=(
   --max-position-embeddings 8192
   # bf16 parameters and activations (also the base precision under FP8)
   --bf16
-  # implementation.cross_entropy_loss_fusion: no fp32 logits copy
+  # implementation.cross_entropy_loss_fusion: fused vocab-parallel cross entropy
   --cross-entropy-loss-fusion
   # no Apex: the fused wgrad accumulation needs Apex's fused_weight_gradient_mlp_cuda (Megatron raises at model build otherwise)
   --no-gradient-accumulation-fusion
