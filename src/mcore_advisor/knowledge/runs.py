@@ -415,6 +415,11 @@ def plan_for_run(run: PublishedRun) -> RunPlan | None:
         impl["moe_token_dispatcher_type"] = "alltoall"
     if "megatron-fsdp on" in notes_l:
         impl["use_torch_fsdp2"] = True
+    if run.source.startswith(("NEMO_", "MBRIDGE_")):
+        # NeMo/Megatron-Bridge performance recipes turn fp32 gradient reduction off
+        # (scripts/performance helpers: plugins.grad_reduce_in_fp32 = False).
+        impl["grad_reduce_in_fp32"] = False
+        a.append("gradients reduced in bf16 (NeMo/Bridge performance-recipe setting; not in the table)")
     if "passes with pytorch_cuda_alloc_conf=expandable_segments:true" in notes_l:
         # the measured (passing) run is the one with expandable segments
         impl["expandable_segments"] = True
