@@ -11,7 +11,13 @@ Rows:
    per microbatch. Assumed: "GB" = GiB of max_memory_allocated on the most-loaded rank. Unknown:
    the reporting rank, SFT sequence packing, CUDA graphs / TP-overlap buffers. A weak anchor.
 3. Any GPU sweep result another engineer left in benchmarks/results/*.json with a plan and a
-   measured peak allocated (a number, or a per-rank list whose max is taken).
+   measured peak allocated (a number, or a per-rank list whose max is taken). Where the row says
+   what the profile job actually ran (result.transformer_impl, result.settings), the plan is
+   corrected to it: the job (launcher/entry/profile.py) always sets cross_entropy_fusion_impl
+   'native' and fuses the loss only on a GPU.
+
+Peak reserved (max_memory_reserved) is compared too where the source gives it: the error of the
+fragmentation allowance (tools.memory.fragmentation_fraction) on top of the allocated figure.
 
 The predictor never sees these numbers; only this script reads them.
 
@@ -44,9 +50,6 @@ DEV_CSV = SHARED / "data" / "published-runs-dev.csv"
 
 
 RESERVED: dict[str, float] = {}  # label -> measured max_memory_reserved where the source gives it
-
-
-CE_IMPL: dict[str, str] = {}  # label -> Megatron --cross-entropy-fusion-impl where not 'native'
 
 
 def _h200_rows() -> list[tuple[str, str, Plan, float]]:
@@ -98,10 +101,11 @@ def _bridge_rows() -> list[tuple[str, str, Plan, float]]:
                 parallelism=ParallelismSpec(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                             virtual_pipeline_model_parallel_size=vp, sequence_parallel=tp > 1,
                                             use_distributed_optimizer=True, tp_comm_overlap=True),
-                implementation=ImplementationSpec(grad_reduce_in_fp32=True, cross_entropy_loss_fusion=True),
+                # Megatron-Bridge GPTModelProvider: cross_entropy_fusion_impl = "te"
+                implementation=ImplementationSpec(grad_reduce_in_fp32=True, cross_entropy_loss_fusion=True,
+                                                  cross_entropy_fusion_impl="te"),
             )
             label = f"H100 Llama3-70B SFT FP8-CS TP{tp} PP{pp} VP{vp} DP{r['dp']}"
-            CE_IMPL[label] = "te"  # Megatron-Bridge GPTModelProvider: cross_entropy_fusion_impl = "te"
             out.append((label, "MBRIDGE_SKILL_MEMTUNE", plan, measured))
     return out
 
@@ -111,6 +115,15 @@ def _peak(value) -> float | None:
         return float(value)
     if isinstance(value, list) and value and all(isinstance(v, int | float) for v in value):
         return float(max(value))
+    return None
+
+
+def _reserved_at_peak(allocated, reserved) -> float | None:
+    """max_memory_reserved of the rank whose max_memory_allocated is the largest."""
+    if isinstance(reserved, int | float):
+        return float(reserved)
+    if isinstance(allocated, list) and isinstance(reserved, list) and len(allocated) == len(reserved) and reserved:
+        return float(reserved[max(range(len(allocated)), key=lambda i: allocated[i])])
     return None
 
 
@@ -141,11 +154,23 @@ def _sweep_rows() -> list[tuple[str, str, Plan, float]]:
                 plan = Plan.model_validate(plan_d)
             except ValueError:
                 continue
+            ran: dict = {}
             ran_impl = res.get("transformer_impl")
-            if ran_impl in ("local", "transformer_engine") and ran_impl != plan.implementation.transformer_impl:
+            if ran_impl in ("local", "transformer_engine"):
                 # The profile job falls back to the local spec where Transformer Engine is missing.
-                plan = plan.model_copy(update={"implementation": plan.implementation.model_copy(update={"transformer_impl": ran_impl})})
-            out.append((it.get("label") or it.get("name") or f"{p.stem}[{i}]", p.name, plan, measured))
+                ran["transformer_impl"] = ran_impl
+            settings = res.get("settings") or {}
+            if isinstance(settings.get("cross_entropy_loss_fusion"), bool):
+                ran["cross_entropy_loss_fusion"] = settings["cross_entropy_loss_fusion"]
+                ran["cross_entropy_fusion_impl"] = "native"  # profile.py hard-codes Megatron's own
+            if ran:
+                plan = plan.model_copy(update={"implementation": plan.implementation.model_copy(update=ran)})
+            label = it.get("label") or it.get("name") or f"{p.stem}[{i}]"
+            reserved = _reserved_at_peak(it.get("peak_allocated_gib") or res.get("peak_allocated_gib"),
+                                         it.get("peak_reserved_gib") or res.get("peak_reserved_gib"))
+            if reserved is not None:
+                RESERVED[label] = reserved
+            out.append((label, p.name, plan, measured))
     return out
 
 
@@ -153,14 +178,23 @@ def main() -> int:
     rows = _h200_rows() + _bridge_rows() + _sweep_rows()
     lines = [f"{'case':70s} {'source':32s} {'pred GiB':>9s} {'meas GiB':>9s} {'err %':>7s}  most-loaded (first/middle/last peaks)"]
     errs: dict[str, list[float]] = {}
+    res_errs: dict[str, list[float]] = {}
+    frag_meas: dict[str, list[float]] = {}
     for label, src, plan, measured in rows:
-        bd = memory_breakdown(plan, cross_entropy_fusion_impl=CE_IMPL.get(label, "native"))  # type: ignore[arg-type]
+        bd = memory_breakdown(plan)
         err = 100.0 * (bd.peak_allocated_gib / measured - 1.0)
         group = "h200" if src.startswith("device") else ("bridge" if src.startswith("MBRIDGE") else "sweep")
         errs.setdefault(group, []).append(err)
         per_stage = "/".join(f"{s.peak_allocated_gib:.1f}" for s in bd.stages)
         res = RESERVED.get(label)
-        res_txt = f"  reserved pred {bd.peak_reserved_gib:.2f} meas {res:.2f}" if res is not None else ""
+        res_txt = ""
+        if res is not None:
+            full_or_pp = plan.parallelism.recompute_granularity == "full" or plan.parallelism.pipeline_model_parallel_size > 1
+            kind = f"{group}/{'full-or-PP' if full_or_pp else 'other'}"
+            res_errs.setdefault(kind, []).append(100.0 * (bd.peak_reserved_gib / res - 1.0))
+            frag_meas.setdefault(kind, []).append(100.0 * (res / measured - 1.0))
+            res_txt = (f"  reserved pred {bd.peak_reserved_gib:.2f} meas {res:.2f} ({100.0 * (bd.peak_reserved_gib / res - 1.0):+.1f}%,"
+                       f" measured margin {100.0 * (res / measured - 1.0):.1f}%)")
         lines.append(f"{label:70s} {src:32s} {bd.peak_allocated_gib:9.2f} {measured:9.2f} {err:+7.2f}  "
                      f"rank {bd.most_loaded_pipeline_rank} ({bd.most_loaded_role}) [{per_stage}]{res_txt}")
     lines.append("")
@@ -170,6 +204,13 @@ def main() -> int:
             a = [abs(e) for e in v]
             lines.append(f"{name:7s} n={len(v):3d}  median |err| {statistics.median(a):5.2f}%  max |err| {max(a):5.2f}%  "
                          f"mean signed {statistics.fmean(v):+5.2f}%")
+    lines.append("")
+    lines.append("peak reserved (allocated prediction + fragmentation allowance) vs max_memory_reserved:")
+    for name in sorted(res_errs):
+        v, a, fm = res_errs[name], [abs(e) for e in res_errs[name]], frag_meas[name]
+        lines.append(f"{name:18s} n={len(v):3d}  median |err| {statistics.median(a):5.2f}%  max |err| {max(a):5.2f}%  "
+                     f"mean signed {statistics.fmean(v):+5.2f}%  measured reserved/allocated - 1: median "
+                     f"{statistics.median(fm):.1f}% (range {min(fm):.1f}-{max(fm):.1f}%)")
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     RESULTS.mkdir(parents=True, exist_ok=True)

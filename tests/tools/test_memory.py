@@ -20,6 +20,7 @@ from mcore_advisor.schemas import (
 from mcore_advisor.tools.memory import (
     GIB,
     ActivationOptions,
+    cross_entropy_peak_bytes_per_logit,
     in_flight_microbatches,
     layer_activation_terms,
     memory_breakdown,
@@ -246,17 +247,70 @@ def test_first_stage_is_most_loaded_for_llama3_70b_1f1b():
     assert [(s.pipeline_rank, s.role) for s in bd.stages] == [(0, "first"), (1, "middle"), (2, "middle"), (3, "last")]
 
 
-def test_te_cross_entropy_avoids_the_fp32_logits_copy_but_native_fusion_does_not():
+def test_cross_entropy_bytes_per_logit_follow_each_implementation():
+    # Hand count (tools/memory.py cross_entropy_peak_bytes_per_logit): unfused = bf16 logits 2 +
+    # in-place fp32 copy 4; native fused = + Inductor's out-of-place fp32 buffer 4; TE = in place.
+    assert cross_entropy_peak_bytes_per_logit(False, "native") == 6.0
+    assert cross_entropy_peak_bytes_per_logit(False, "te") == 6.0  # the impl only matters when fused
+    assert cross_entropy_peak_bytes_per_logit(True, "native") == 10.0
+    assert cross_entropy_peak_bytes_per_logit(True, "te") == 2.0
+
+
+def test_native_fused_cross_entropy_holds_10_bytes_per_logit_unfused_6_and_te_only_the_output_backward():
     base = dict(gpus=8, gbs=64, gpu="h100-sxm", par=dict(pipeline_model_parallel_size=2))
-    plan = _plan(impl=dict(cross_entropy_loss_fusion=True), **base)
-    te = memory_breakdown(plan, cross_entropy_fusion_impl="te").stages[-1]
-    native = memory_breakdown(plan).stages[-1]
+    native = memory_breakdown(_plan(impl=dict(cross_entropy_loss_fusion=True), **base)).stages[-1]
+    te = memory_breakdown(_plan(impl=dict(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te"), **base)).stages[-1]
     unfused = memory_breakdown(_plan(impl=dict(cross_entropy_loss_fusion=False), **base)).stages[-1]
-    logits = 2 * 32768 * 2048 * 4  # bf16 logits of one microbatch
-    # native (fused_cross_entropy.py upcasts) and unfused: bf16 logits + fp32 copy = 3x; TE: the peak
-    # is the output-layer backward (bf16 logits/grad + its bf16 weight gradient V*h + dgrad 2hT).
-    assert native.transient_bytes == unfused.transient_bytes == pytest.approx(3 * logits)
-    assert te.transient_bytes == pytest.approx(logits + 2 * 32768 * 2048 + 2 * 2048 * 2048 * 4)
+    n_logits = 32768 * 2048 * 4  # vocab x tokens of one microbatch
+    assert native.transient_bytes == pytest.approx(10 * n_logits)
+    assert unfused.transient_bytes == pytest.approx(6 * n_logits)
+    # TE: the peak is the output-layer backward (bf16 logits/grad + bf16 weight gradient V*h + dgrad 2hT).
+    assert te.transient_bytes == pytest.approx(2 * n_logits + 2 * 32768 * 2048 + 2 * 2048 * 2048 * 4)
+    # The keyword argument overrides the plan field.
+    plan = _plan(impl=dict(cross_entropy_loss_fusion=True), **base)
+    assert memory_breakdown(plan, cross_entropy_fusion_impl="te").stages[-1].transient_bytes == te.transient_bytes
+
+
+def test_native_fusion_costs_a_quarter_gib_per_2048_token_sample_at_vocab_32768():
+    # Our H200 sweep (benchmarks/results/gpu_recommend_sweep.jsonl, GPT 1.3B TE, native fused CE)
+    # sat 0.25 GiB per sample above the unfused model: mbs 8 -2.0 GiB, mbs 16 -4.0 GiB, with and
+    # without full recompute. 2048 tokens x 32768 logits x 4 B = 0.25 GiB.
+    for rec in (None, "full"):
+        par = dict(recompute_granularity=rec, recompute_method="uniform" if rec else None,
+                   recompute_num_layers=1 if rec else None)
+        fused = memory_breakdown(_plan(mbs=8, par=par, impl=dict(cross_entropy_loss_fusion=True)))
+        plain = memory_breakdown(_plan(mbs=8, par=par, impl=dict(cross_entropy_loss_fusion=False)))
+        assert fused.peak_allocated_gib - plain.peak_allocated_gib == pytest.approx(8 * 0.25)
+
+
+def test_te_selective_core_attention_keeps_rope_q_k_and_the_whole_qkv_output():
+    # Megatron's CheckpointFunction saves q, k, v as passed: RoPE'd q, k and v, a view of the QKV
+    # GEMM output. GQA llama3-8b: q = 32*128, kv = 8*128 wide.
+    shape = resolve_model(ModelSpec(name="llama3-8b"))
+    q, kv, tok = 32 * 128, 8 * 128, 4096
+    sel = layer_activation_terms(shape, tok, 1, False, ActivationOptions(recompute_modules=frozenset({"core_attn"})))
+    none = layer_activation_terms(shape, tok, 1, False, ActivationOptions())
+    assert sel["qkv"] == 2 * tok * (q + kv) + 2 * tok * (q + 2 * kv)
+    assert sel["qkv"] - none["qkv"] == 2 * tok * (q + kv)
+    assert sel["attention_scores"] == 0 and none["attention_scores"] == 4 * 32 * tok  # fp32 LSE per head
+
+
+def test_local_spec_selective_keeps_the_same_qkv_tensors_as_no_recompute():
+    # The local spec already keeps the QKV output alive through the v view the attention saves.
+    shape = resolve_model(ModelSpec(name="llama3-8b"))
+    sel = ActivationOptions(transformer_impl="local", recompute_modules=frozenset({"core_attn"}))
+    none = ActivationOptions(transformer_impl="local")
+    assert layer_activation_terms(shape, 4096, 1, False, sel)["qkv"] == layer_activation_terms(shape, 4096, 1, False, none)["qkv"]
+
+
+def test_te_selective_recompute_needs_more_than_none_for_gpt_1p3b_as_measured():
+    # gpu_recommend_sweep.jsonl r_gpt1.3b_mbs8_sel 54.74 vs r_gpt1.3b_mbs8_none 51.76 GiB (+2.98).
+    # Hand count: 24 layers x 16384 tokens x (2 (q + kv) = 4h B kept QKV output - 4a B fp32 LSE no longer saved).
+    sel = memory_breakdown(_plan(mbs=8, par=dict(recompute_granularity="selective")))
+    none = memory_breakdown(_plan(mbs=8))
+    expected = 24 * 16384 * (4 * 2048 - 4 * 16) / GIB
+    assert sel.peak_allocated_gib - none.peak_allocated_gib == pytest.approx(expected)
+    assert expected == pytest.approx(54.74 - 51.76, abs=0.02)
 
 
 # ---- totals ------------------------------------------------------------------------------
@@ -338,3 +392,49 @@ def test_embedded_h200_rows_match_the_shared_measurement_file():
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     got = sorted(r["peak_allocated_gib"] for r in rows)
     assert got == sorted(r[-1] for r in H200_ROWS)
+
+
+# ---- our GPU sweep (issue 7) -------------------------------------------------------------
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+SWEEP_FILES = ("gpu_memory_sweep.jsonl", "gpu_recommend_sweep.jsonl", "gpu_h200_runs.jsonl")
+
+
+def _sweep_rows() -> list[tuple[str, Plan, float]]:
+    """Committed H200 rows run through launcher/entry/profile.py: the exact plan, corrected to what
+    the job ran (TE or local spec; the loss fused on a GPU with Megatron's 'native' kernel, which
+    profile.py hard-codes), and the most-loaded rank's max_memory_allocated."""
+    rows = []
+    for name in SWEEP_FILES:
+        path = RESULTS / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            it = json.loads(line)
+            res = it.get("result") or {}
+            if it.get("status") != "ok" or not res.get("peak_allocated_gib"):
+                continue
+            plan = Plan.model_validate(it["plan"])
+            ran = {"cross_entropy_loss_fusion": res["settings"]["cross_entropy_loss_fusion"],
+                   "cross_entropy_fusion_impl": "native"}
+            if res.get("transformer_impl") in ("local", "transformer_engine"):
+                ran["transformer_impl"] = res["transformer_impl"]
+            plan = plan.model_copy(update={"implementation": plan.implementation.model_copy(update=ran)})
+            rows.append((it["name"], plan, max(res["peak_allocated_gib"])))
+    return rows
+
+
+def test_sweep_peak_allocated_meets_issue_7_targets():
+    # Issue 7: median |err| <= 3%, max <= 8% on our sweep. Achieved: median 0.11%, max 0.44% over
+    # 31 rows (benchmarks/results/memory_accuracy.txt); before the native-CE and TE-selective terms
+    # it was 3.9% / 11.6%.
+    rows = _sweep_rows()
+    if len(rows) < 10:
+        pytest.skip("GPU sweep results not present")
+    errs = {name: abs(memory_breakdown(plan).peak_allocated_gib / measured - 1.0) for name, plan, measured in rows}
+    ordered = sorted(errs.values())
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:len(ordered) // 2 + 1]) / 2
+    assert median <= 0.03, errs
+    assert max(errs.values()) <= 0.08, errs

@@ -27,7 +27,11 @@ modern models, term by term:
   s x s matrix. Megatron's local (unfused) DotProductAttention saves the fp32 softmax output and its
   bf16 copy (`attention_softmax_in_fp32`, TransformerConfig's default True) = 6 bytes per score.
 - TE's DotProductAttention makes v contiguous (`get_qkv_layout`), so the QKV GEMM output is freed;
-  the local spec keeps it alive through the v view that the attention matmul saves.
+  the local spec keeps it alive through the v view that the attention matmul saves. Selective
+  core_attn recompute under TE brings it back: Megatron's CheckpointFunction saves the v view, so
+  with flash attention selective recompute needs more memory than none.
+- Loss: the last stage holds 6 B per logit (unfused), 10 B (Megatron's torch.compile'd 'native'
+  fused cross entropy: Inductor materialises in-place updates out of place) or 2 B (TE's).
 - FP8 (TE): GEMM inputs kept for the weight gradient are stored as 1-byte FP8 copies.
 - CP divides s; SP divides the h-wide tensors outside the TP regions by t.
 
@@ -54,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import attention_params_per_layer, mlp_params, resolve_model
-from mcore_advisor.schemas import ModelShape, Plan, parallel_dims
+from mcore_advisor.schemas import ModelShape, Plan, layers_per_stage, parallel_dims
 
 GIB = 1024**3
 
@@ -74,6 +78,29 @@ NCCL_PER_COMMUNICATOR_GIB = 0.25
 MISC_ALLOCATED_BYTES = 64 * 2**20
 
 
+def cross_entropy_peak_bytes_per_logit(fused: bool, impl: Literal["native", "te"] = "native") -> float:
+    """Bytes per logit (per token x local vocab entry) live at the loss's peak on the last stage.
+
+    - Unfused (`tensor_parallel/cross_entropy.py` vocab_parallel_cross_entropy): `.float()` makes
+      an fp32 copy while the bf16 logits are still referenced by the model's forward; subtract and
+      exp then run in place on the copy, which is saved as the softmax and turned into the
+      gradient in place: 2 + 4 = 6 B.
+    - Fused 'native' (`fusions/fused_cross_entropy.py`): the same steps inside torch.compile'd
+      graphs (`jit_fuser`). Inductor keeps an input mutation in place only when pointwise ops
+      alone consume it; calculate_predicted_logits also reduces over the mutated logits (max
+      subtraction, exp, sum) and calculate_gradients scatters into the softmax, so each graph
+      writes the new value into a fresh fp32 [s, b, v] buffer and copies it back (the NOTE in
+      later versions of that file, which split the graphs to avoid it): 2 + 4 + 4 = 10 B.
+      megatron-core 0.19.2 as our profile job runs it shows exactly that: +4 B/logit on every
+      fused row against the unfused probe rows (e.g. 2.00 GiB at 16384 tokens x 32768 vocab).
+    - Fused 'te' (Transformer Engine's parallel_cross_entropy): writes the gradient into the bf16
+      logits in place: 2 B (TE builds around the 2026 numerics fix may hold more; not measured).
+    """
+    if not fused:
+        return 6.0
+    return 2.0 if impl == "te" else 10.0
+
+
 def fragmentation_fraction(*, expandable_segments: bool, pipelined_or_full_recompute: bool) -> float:
     """Reserved-minus-allocated margin as a fraction of peak allocated.
 
@@ -83,6 +110,12 @@ def fragmentation_fraction(*, expandable_segments: bool, pipelined_or_full_recom
     PP4 VP5 run at 58.8 GB allocated that OOMs on an 80 GB H100 from fragmentation alone and fits
     with expandable_segments. With expandable segments the allocator maps pages on demand and the
     margin is near zero.
+    Our H200 sweep (benchmarks/results/gpu_*.jsonl, 31 rows) agrees without changing the
+    numbers: no/selective recompute 0.3-8.9% (median 2.1%; reserved predicted within 4.6%, +1.2%
+    on average), full recompute or PP2 1.7-12.0% (median 4.3%; reserved over-predicted by 4.2% on
+    average, max 8.3% on the one PP2 row). The spread within each group is wider than the gap
+    between the groups' medians and the probe's 18.9% full-recompute row exceeds 10%, so these
+    stay an upper-side planning margin rather than a fit (benchmarks/results/memory_accuracy.txt).
     """
     if expandable_segments:
         return 0.01
@@ -224,8 +257,19 @@ def layer_activation_terms(shape: ModelShape, seq_length: int, micro_batch_size:
             # Local spec: the attention matmul saves v, a view of the QKV GEMM output, which keeps
             # the whole (q + 2kv)-wide tensor alive; RoPE adds new q and k tensors.
             terms["qkv"] = 2.0 * tok * (q + 2 * kv) / t + (2.0 * tok * (q + kv) / t if rope else 0.0)
+        elif "core_attn" in rec:
+            # TE + selective core_attn: Megatron's CheckpointFunction (tensor_parallel/random.py,
+            # `ctx.save_for_backward(*args)`) keeps q, k, v exactly as attention.py's
+            # _checkpointed_attention_forward passes them: the RoPE'd q and k, and v, a view of the
+            # QKV GEMM output, which so stays alive whole. TE's contiguous v copy (get_qkv_layout)
+            # is made under no_grad and dropped. So selective costs 2*(q + kv) B/token more here
+            # than the TE branch below, minus the fp32 softmax statistics it no longer saves:
+            # measured 54.74 vs 51.76 GiB for GPT 1.3B mbs 8 (benchmarks/results).
+            terms["qkv"] = 2.0 * tok * (q + kv) / t + 2.0 * tok * (q + 2 * kv) / t
         else:
-            # TE: RoPE writes q, k; get_qkv_layout copies v contiguous; the QKV output is freed.
+            # TE: RoPE writes q, k; TE's get_qkv_layout finds the strided v 'not_supported' and
+            # makes q, k, v contiguous (a copy of v only); FusedAttention saves those, so the QKV
+            # GEMM output is freed.
             terms["qkv"] = 2.0 * tok * (q + 2 * kv) / t
         v_width = q
 
@@ -383,15 +427,28 @@ def rank_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool
     return RankParams(dense=dense, expert=experts, fp8_eligible=fp8_eligible)
 
 
-def _stage_layers(num_layers: int, pp: int, vp: int, rank: int) -> list[int]:
-    """Global layer indices on a pipeline rank (Megatron's even split; interleaved chunks).
+def _stage_layers(num_layers: int, pp: int, vp: int, rank: int,
+                  first: int | None = None, last: int | None = None) -> list[int]:
+    """Global layer indices on a pipeline rank (interleaved chunks: chunk v of rank r is model chunk v*pp + r).
 
-    Megatron requires L divisible by PP (and by PP*VP when interleaved) unless uneven stages are
-    configured; with a remainder the extra layers go to the first ranks here.
+    Even split unless decoder_first/last_pipeline_num_layers are set (schemas.layers_per_stage);
+    each stage's layers divide evenly over its vp chunks. With a remainder (a split the
+    validators reject) the extra layers go to the first chunks.
     """
     chunks = pp * vp
-    base, rem = divmod(num_layers, chunks)
-    sizes = [base + (1 if c < rem else 0) for c in range(chunks)]
+    try:
+        per_stage = layers_per_stage(num_layers, pp, first, last) if pp > 1 else [num_layers]
+    except ValueError:
+        per_stage = None
+    if per_stage is not None and (first is not None or last is not None):
+        sizes = [0] * chunks
+        for r, n in enumerate(per_stage):
+            base, rem = divmod(n, vp)
+            for v in range(vp):
+                sizes[v * pp + r] = base + (1 if v < rem else 0)
+    else:
+        base, rem = divmod(num_layers, chunks)
+        sizes = [base + (1 if c < rem else 0) for c in range(chunks)]
     starts = [0]
     for sz in sizes[:-1]:
         starts.append(starts[-1] + sz)
@@ -434,10 +491,9 @@ def _is_unfused(attention_backend: str) -> bool:
 def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native", "te"] | None = None) -> MemoryBreakdown:
     """Per-GPU memory on the most-loaded rank of `plan` (see the module docstring for definitions).
 
-    `cross_entropy_fusion_impl` is Megatron's --cross-entropy-fusion-impl: 'native' (Megatron-LM's
-    default, what `--cross-entropy-loss-fusion` alone and the profile job use) still upcasts the
-    logits to fp32 (megatron/core/fusions/fused_cross_entropy.py), so the fusion saves no memory;
-    'te' (Megatron-Bridge's default) writes the gradient into the bf16 logits in place.
+    `cross_entropy_fusion_impl` overrides the plan's implementation.cross_entropy_fusion_impl
+    (Megatron's --cross-entropy-fusion-impl); it matters only with cross_entropy_loss_fusion. See
+    `cross_entropy_peak_bytes_per_logit` for what each implementation holds at the loss.
     Raises KeyError/ValueError (naming the plan field) for an unknown model or GPU.
     """
     shape = resolve_model(plan.model)
@@ -457,8 +513,9 @@ def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native",
         "dropout 0 (hidden and attention), as modern LLM recipes use",
         "fused bias-activation (Megatron-LM default); no gradient-accumulation fusion (needs Apex); "
         "local spec: torch softmax and torch AdamW (foreach); TE spec: TE FusedAdam",
-        f"cross entropy: {cross_entropy_fusion_impl} implementation"
-        + (" (fp32 logits copy: 6 B/logit at the loss)" if cross_entropy_fusion_impl == "native" else " (2 B/logit)"),
+        "cross entropy: "
+        + (f"fused, {cross_entropy_fusion_impl} implementation" if im.cross_entropy_loss_fusion else "unfused (vocab_parallel_cross_entropy)")
+        + f" ({cross_entropy_peak_bytes_per_logit(im.cross_entropy_loss_fusion, cross_entropy_fusion_impl):g} B/logit at the loss)",
     ]
 
     rec_modules: set[str] = set()
@@ -499,7 +556,8 @@ def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native",
     ranks = sorted({0, min(1, pp - 1), max(0, pp - 2), pp - 1})
     stages: list[StageMemory] = []
     for r in ranks:
-        layers = _stage_layers(shape.num_layers, pp, vp, r)
+        layers = _stage_layers(shape.num_layers, pp, vp, r, par.decoder_first_pipeline_num_layers,
+                               par.decoder_last_pipeline_num_layers)
         first, last = r == 0, r == pp - 1
         rp = rank_params(shape, layers, first=first, last=last, tp=tp, ep=dims.ep, etp=dims.etp, seq_length=s)
         n_params = rp.dense + rp.expert
@@ -558,9 +616,7 @@ def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native",
             acts += 2.0 * h * tok / sp_div * 2 + 12.0 * tok  # final norm input + output-layer input; labels, mask
             logits = 2.0 * V * tok / tp
             te_ce = im.cross_entropy_loss_fusion and cross_entropy_fusion_impl == "te"
-            # Unfused and native-fused CE upcast to an fp32 copy while the bf16 logits are alive
-            # (6 B/logit); TE's fused CE writes the gradient into the bf16 logits (2 B/logit).
-            ce_peak = logits if te_ce else 3.0 * logits
+            ce_peak = cross_entropy_peak_bytes_per_logit(im.cross_entropy_loss_fusion, cross_entropy_fusion_impl) / 2.0 * logits
             out_wgrad = 2.0 * V * h / tp  # bf16 output-layer weight gradient before main_grad.add_
             bwd_peak = logits + out_wgrad + 2.0 * h * tok
             n_heads_out = 1 + shape.mtp_num_layers
