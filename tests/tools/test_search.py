@@ -70,8 +70,11 @@ REPLICA_CASES = [
     ("te-dense", ModelSpec(name="llama3-8b"), 8, 4096, 64, "h100-sxm", None, ("bf16",), Fixed()),
     ("local-unfused", ModelSpec(**SMALL_GPT), 4, 2048, 32, "h200",
      ImplementationSpec(transformer_impl="local", attention_backend="local"), ("bf16",), Fixed()),
-    ("fp8-bf16grads-expandable", ModelSpec(name="llama3-8b"), 8, 8192, 32, "h100-sxm",
-     ImplementationSpec(grad_reduce_in_fp32=False, expandable_segments=True), ("bf16", "fp8"), Fixed()),
+    ("fp8-bf16grads-expandable-te-loss", ModelSpec(name="llama3-8b"), 8, 8192, 32, "h100-sxm",
+     ImplementationSpec(grad_reduce_in_fp32=False, expandable_segments=True, cross_entropy_fusion_impl="te"),
+     ("bf16", "fp8"), Fixed()),
+    ("unfused-loss", ModelSpec(name="llama3-8b"), 8, 4096, 64, "h100-sxm",
+     ImplementationSpec(cross_entropy_loss_fusion=False), ("bf16",), Fixed()),
     ("moe", ModelSpec(name="mixtral-8x7b"), 16, 4096, 64, "h100-sxm", None, ("bf16",), Fixed(pp=2)),
     ("pinned-uniform-2", ModelSpec(name="llama3-8b"), 8, 4096, 64, "h100-sxm", None, ("bf16",),
      Fixed(pp=2, recompute="full", recompute_method="uniform", recompute_num_layers=2)),
@@ -154,8 +157,8 @@ def test_layout_and_candidate_counts_add_up():
                                            + s.configurations_dominated + s.configurations_timed)
     assert s.configurations_timed == len(out.mbs)
     assert min(s.configurations_over_memory, s.configurations_dominated, s.configurations_timed) >= 0
-    # Mixtral with TP > 1 and no SP is refused as Megatron refuses it.
-    assert s.layouts_rejected_by_rule.get("moe_with_tensor_parallel_needs_sequence_parallel", 0) > 0
+    # Mixtral with TP > 1 and no SP is refused as Megatron refuses it (now a validator error).
+    assert s.layouts_rejected_by_rule.get("expert_and_tensor_parallel_without_sp", 0) > 0
 
 
 def test_timed_candidates_never_include_a_recompute_variant_when_no_recompute_fits():

@@ -96,7 +96,7 @@ def test_tp_without_sequence_parallel_gets_an_info_quantifying_the_saving(kit):
     assert f.fix == "set parallelism.sequence_parallel true"
 
 
-def test_expert_and_tensor_parallel_without_sp_warns_like_megatron(kit):
+def test_moe_with_tensor_parallel_and_no_sp_is_an_error_like_megatron(kit):
     p = kit.plan(
         model=kit.MIXTRAL,
         cluster={"num_gpus": 8},
@@ -108,7 +108,7 @@ def test_expert_and_tensor_parallel_without_sp_warns_like_megatron(kit):
         },
     )
     f = kit.one(p, "expert_and_tensor_parallel_without_sp")
-    assert f.severity == "warning"
+    assert f.severity == "error"
     assert "parallelism.sequence_parallel" in f.fields
     assert "sequence parallelism must be used" in f.message
     assert "sequence_parallel_recommended" not in kit.codes(p)

@@ -60,7 +60,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import GpuSpec, gpu
 from mcore_advisor.knowledge.models import resolve_model
-from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, parallel_dims
+from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, layers_per_stage, parallel_dims
 from mcore_advisor.tools.flops import (
     attention_flops_per_token_per_layer,
     flops_per_iteration,
@@ -407,12 +407,15 @@ def step_time_arrays(
     moe_grouped_gemm: bool = True,
     cross_entropy_loss_fusion: bool = True,
     recompute_modules: tuple[str, ...] | list[str] | None = None,
+    stage_layers: tuple[Any, Any, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Vectorised step time: layout arguments may be numpy arrays (they broadcast together).
 
     recompute: 0 none, 1 selective (recompute_modules, default core_attn), 2 full;
     recompute_fraction: with full recompute, the fraction of each model chunk's layers rerun
     (flops.recomputed_layer_fraction). vp = 1 means not interleaved. etp None = tp.
+    stage_layers: (first, largest middle, last) stage layer counts (numbers or arrays) of the
+    pipeline split (decoder_first/last_pipeline_num_layers); None = the even split, ceil(L / pp) each.
     Returns arrays: iteration_time_s, tokens_per_s_per_gpu, num_microbatches, and the
     StepTimeBreakdown terms (`gemm_s`, ..., `overhead_s`).
     """
@@ -434,7 +437,7 @@ def step_time_arrays(
         shape, hardware, impl, float(seq_length), f64(global_batch_size),
         f64(tp), f64(pp), f64(dp), f64(cp), f64(ep), f64(etp_v), f64(vp), f64(micro_batch_size),
         f64(sequence_parallel), f64(recompute), f64(recompute_fraction), f64(use_distributed_optimizer),
-        f64(overlap_grad_reduce), f64(overlap_param_gather), f64(tp_comm_overlap),
+        f64(overlap_grad_reduce), f64(overlap_param_gather), f64(tp_comm_overlap), stage_layers,
     )
 
 
@@ -452,7 +455,8 @@ def _attention_path(transformer_impl: str, attention_backend: str) -> Literal["f
 
 
 def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp, pp, dp, cp, ep, etp, vp, b, sp,
-           recompute, recompute_fraction, dist_opt, overlap_grad, overlap_param, tp_overlap) -> dict[str, np.ndarray]:
+           recompute, recompute_fraction, dist_opt, overlap_grad, overlap_param, tp_overlap,
+           stage_layers=None) -> dict[str, np.ndarray]:
     h = float(shape.hidden_size)
     n_heads = float(shape.num_attention_heads)
     g = float(shape.num_query_groups)
@@ -671,11 +675,17 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
     t_emb = emb_ew + emb_tp
 
     # ---- pipeline schedule ---------------------------------------------------------------------
-    Ls = np.ceil(L / pp)
     one_stage = pp <= 1
-    t_last = Ls * t_layer + t_out + np.where(one_stage, t_emb, 0.0)
-    t_first = Ls * t_layer + t_emb
-    t_max = np.maximum(t_last, np.where(one_stage, 0.0, t_first))
+    if stage_layers is None:
+        Ls = L_first = L_last = L_mid = np.ceil(L / pp)
+    else:
+        # Uneven split: the first/last stages (embedding, loss) hold their own counts; the
+        # slowest stage sets the pipeline's pace, the most-loaded one its buffers.
+        L_first, L_mid, L_last = (np.asarray(x, dtype=np.float64) for x in stage_layers)
+        Ls = np.maximum(np.maximum(L_first, L_mid), L_last)
+    t_last = L_last * t_layer + t_out + np.where(one_stage, t_emb, 0.0)
+    t_first = L_first * t_layer + t_emb
+    t_max = np.maximum(np.maximum(t_last, np.where(one_stage, 0.0, t_first)), np.where(one_stage, 0.0, L_mid * t_layer))
     t_sum = L * t_layer + t_out + t_emb
     pp_bw, pp_lat = _group_link(tp * cp * dp, 2.0, gpn, nv, net)
     p2p_bytes = T * h * 2.0 / np.where(sp > 0, tp, 1.0)
@@ -868,7 +878,22 @@ def _layout_kwargs(plan: Plan, shape: ModelShape) -> dict:
         moe_token_dispatcher_type=im.moe_token_dispatcher_type, moe_grouped_gemm=im.moe_grouped_gemm,
         cross_entropy_loss_fusion=im.cross_entropy_loss_fusion,
         recompute_modules=tuple(p.recompute_modules) if p.recompute_modules is not None else None,
+        stage_layers=_uneven_stage_layers(plan, shape),
     )
+
+
+def _uneven_stage_layers(plan: Plan, shape: ModelShape) -> tuple[int, int, int] | None:
+    p = plan.parallelism
+    pp = p.pipeline_model_parallel_size
+    if pp == 1 or (p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None):
+        return None
+    try:
+        stages = layers_per_stage(shape.num_layers, pp, p.decoder_first_pipeline_num_layers,
+                                  p.decoder_last_pipeline_num_layers)
+    except ValueError:
+        return None  # the validators report the impossible split
+    middle = stages[1:-1] or [0]
+    return stages[0], max(middle), stages[-1]
 
 
 def step_time(plan: Plan, shape: ModelShape | None = None) -> PerfEstimate:

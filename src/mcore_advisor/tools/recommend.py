@@ -817,7 +817,7 @@ def _what_ifs(request: RecommendRequest, shape: ModelShape, gbs: int, best: Reco
         res.append(WhatIf(scenario=scenario, num_gpus=cluster.num_gpus, seq_length=seq, global_batch_size=gbs,
                           feasible=True, layout=top.layout, tokens_per_s_per_gpu=top.tokens_per_s_per_gpu,
                           tokens_per_s=top.tokens_per_s, change_tokens_per_s_per_gpu_pct=d_gpu,
-                          change_tokens_per_s_pct=d_job, note=note + " (quicker search: TP within a node, SP on, distributed optimizer on)"))
+                          change_tokens_per_s_pct=d_job, note=note + " (quicker search: TP within a node, ETP 1 or TP, CP a power of two, SP on, micro-batch <= 8, distributed optimizer on)"))
     return res
 
 

@@ -54,6 +54,7 @@ from mcore_advisor.tools.memory import (
     ActivationOptions,
     _is_unfused,
     _stage_layers,
+    cross_entropy_peak_bytes_per_logit,
     fragmentation_fraction,
     layer_activation_terms,
     layer_backward_working_bytes,
@@ -65,20 +66,15 @@ from mcore_advisor.validators import layout_errors
 # Recompute option codes in the candidate table.
 RC_NONE, RC_SELECTIVE, RC_BLOCK, RC_UNIFORM = 0, 1, 2, 3
 
-MOE_TP_NEEDS_SP = "moe_with_tensor_parallel_needs_sequence_parallel"
-RECOMMENDER_RULES = {
-    # Megatron-LM arguments.py: "When using MoE and tensor parallelism, sequence parallelism must be
-    # used"; megatron/core/transformer/transformer_config.py raises ValueError for EP > 1 with
-    # TP > 1 and no SP. validators report it only as the warning expert_and_tensor_parallel_without_sp.
-    MOE_TP_NEEDS_SP: "MoE with TP > 1 needs sequence_parallel (Megatron asserts it)",
-}
+# Rejections the recommender makes beyond the validators' rules (code -> reason); none at present:
+# MoE with TP > 1 and no SP is the validators' error expert_and_tensor_parallel_without_sp.
+RECOMMENDER_RULES: dict[str, str] = {}
 _NSLOTS = 4  # pipeline ranks memory_breakdown evaluates
 _COLUMNS = (
     "tp", "pp", "vp", "cp", "ep", "etp", "sp", "dp", "edp", "fp8", "non_pt", "V",
     "dl", "ml", "dw1", "dw2", "mw1", "mw2", "dl_sel", "ml_sel", "dw1_sel", "dw2_sel", "mw1_sel", "mw2_sel",
     *(f"{name}{i}" for i in range(_NSLOTS) for name in ("r", "nl", "nd", "nm", "dp", "ep", "f8", "first", "last")),
 )
-_CE_FUSION_IMPL = "native"  # memory_breakdown's default, which evaluate_plan uses
 
 
 @dataclass(frozen=True)
@@ -120,7 +116,7 @@ class SearchInputs:
     fixed: Fixed = field(default_factory=Fixed)
     max_tp: int | None = None
     allow_recompute: bool = True
-    quick: bool = False  # lower fidelity: TP within a node, SP always on with TP > 1, distributed optimizer only
+    quick: bool = False  # lower fidelity: TP within a node, ETP 1 or TP, CP a power of two, SP on with TP > 1, micro-batch <= 8, distributed optimizer on
 
 
 @dataclass
@@ -232,14 +228,15 @@ def _add(d: dict[str, int], key: str, n: int) -> None:
 
 
 @lru_cache(maxsize=65536)
-def _slots(shape: ModelShape, seq: int, tp: int, pp: int, vp: int, ep: int, etp: int) -> tuple[tuple, ...]:
+def _slots(shape: ModelShape, seq: int, tp: int, pp: int, vp: int, ep: int, etp: int,
+           first_layers: int | None = None, last_layers: int | None = None) -> tuple[tuple, ...]:
     """The pipeline ranks memory_breakdown evaluates (first, second, second-to-last, last), padded to four.
 
     Each: (rank, num_layers, dense_layers, moe_layers, dense_params, expert_params, fp8_params, first, last).
     """
     out = []
     for r in sorted({0, min(1, pp - 1), max(0, pp - 2), pp - 1}):
-        layers = _stage_layers(shape.num_layers, pp, vp, r)
+        layers = _stage_layers(shape.num_layers, pp, vp, r, first_layers, last_layers)
         first, last = r == 0, r == pp - 1
         rp = rank_params(shape, layers, first=first, last=last, tp=tp, ep=ep, etp=etp, seq_length=seq)
         n_moe = sum(shape.moe_layer_pattern[i] for i in layers) if shape.is_moe else 0
@@ -321,7 +318,9 @@ def _memory_total_gib(inp: SearchInputs, t: _Table, kind: int, k: np.ndarray | N
     M = np.maximum(1.0, np.floor(inp.global_batch_size / (b * g["dp"])))
     unfused = _is_unfused(im.attention_backend)
     # memory_breakdown's default --cross-entropy-fusion-impl 'native' upcasts logits to fp32 even fused.
-    te_ce = im.cross_entropy_loss_fusion and _CE_FUSION_IMPL == "te"
+    # Loss peak per logit as memory_breakdown takes it (the plan's --cross-entropy-fusion-impl).
+    ce_impl = im.cross_entropy_fusion_impl
+    te_ce = im.cross_entropy_loss_fusion and ce_impl == "te"
     mx = 1.0 / 16 if inp.fp8_recipe == "mxfp8" else 0.0
     frag = np.where(
         (pp > 1) | full,
@@ -357,7 +356,7 @@ def _memory_total_gib(inp: SearchInputs, t: _Table, kind: int, k: np.ndarray | N
         # last-stage extras: final norm input + output-layer input, labels/mask; logits/loss transient
         last_acts = np.where(last, 2.0 * h * tok / sp_div * 2 + 12.0 * tok, 0.0)
         logits = 2.0 * V * tok / tp
-        ce_peak = logits if te_ce else 3.0 * logits
+        ce_peak = cross_entropy_peak_bytes_per_logit(im.cross_entropy_loss_fusion, ce_impl) / 2.0 * logits
         out_wgrad = 2.0 * V * h / tp  # bf16 output-layer weight gradient (no grad-accumulation fusion)
         bwd_peak = logits + out_wgrad + 2.0 * h * tok
         mtp = shape.mtp_num_layers
@@ -497,6 +496,8 @@ def search(inp: SearchInputs) -> SearchOutcome:
                 etps = [f.etp] if f.etp is not None else [e for e in divisors(gpn) if e <= max_tp]
                 if f.etp is None and tp not in etps and tp <= max_tp:
                     etps.append(tp)
+                if inp.quick and f.etp is None:
+                    etps = [e for e in etps if e in (1, tp)]
             else:
                 eps = [1] if f.ep in (None, 1) else [f.ep]
                 etps = [tp]
@@ -517,7 +518,7 @@ def search(inp: SearchInputs) -> SearchOutcome:
                     frag = frag_pp if pp > 1 else frag_1
                     st.layouts_enumerated += n_sub
                     for first, last, vp in pairs:
-                        sl = _slots(shape, seq, tp, pp, vp, ep, etp)
+                        sl = _slots(shape, seq, tp, pp, vp, ep, etp, first, last)
                         state = max((2.0 + grad_bytes) * (x[4] + x[5]) + 12.0 * x[4] / dp_opt + 12.0 * x[5] / edp for x in sl)
                         state_gib = state * (1 + frag) / GIB
                         min_state = min(min_state, state_gib + CUDA_CONTEXT_GIB)
@@ -536,9 +537,6 @@ def search(inp: SearchInputs) -> SearchOutcome:
                                     )
                                     if errs:
                                         _add(st.layouts_rejected_by_rule, errs[0], 1)
-                                        continue
-                                    if moe and tp > 1 and not sp:
-                                        _add(st.layouts_rejected_by_rule, MOE_TP_NEEDS_SP, 1)
                                         continue
                                     st.layouts_searched += 1
                                     fp8 = prec == "fp8"
@@ -729,6 +727,8 @@ def _score(inp: SearchInputs, st: SearchStats, layouts: list[Layout], cols: dict
             transformer_impl=im.transformer_impl, attention_backend=im.attention_backend,
             grad_reduce_in_fp32=im.grad_reduce_in_fp32, moe_token_dispatcher_type=im.moe_token_dispatcher_type,
             moe_grouped_gemm=im.moe_grouped_gemm, cross_entropy_loss_fusion=im.cross_entropy_loss_fusion,
+            # slots hold ranks (0, 1, PP-2, PP-1): first, middles, last stage layer counts
+            stage_layers=(gl["nl0"][sel_rows], np.maximum(gl["nl1"], gl["nl2"])[sel_rows], gl["nl3"][sel_rows]),
         )
         it[sel_rows] = np.broadcast_to(r["iteration_time_s"], sel_rows.shape)
         tok[sel_rows] = np.broadcast_to(r["tokens_per_s_per_gpu"], sel_rows.shape)

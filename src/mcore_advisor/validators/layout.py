@@ -153,7 +153,7 @@ def _sp_saving_bytes(c: Ctx) -> float:
     "info",
     AREA,
     "TP > 1 without SP keeps norm/dropout activations unsharded",
-    when=lambda c: c.tp > 1 and not c.sp and not (c.is_moe and c.ep > 1),
+    when=lambda c: c.tp > 1 and not c.sp and not c.is_moe,
 )
 def _sp_rec(c: Ctx):
     return (
@@ -167,18 +167,19 @@ def _sp_rec(c: Ctx):
 
 @rule(
     "expert_and_tensor_parallel_without_sp",
-    "warning",
+    "error",
     AREA,
-    "EP and TP together want SP",
-    when=lambda c: c.is_moe and c.ep > 1 and c.tp > 1 and not c.sp,
+    "MoE with TP needs SP",
+    when=lambda c: c.is_moe and c.tp > 1 and not c.sp,
 )
 def _ep_tp_sp(c: Ctx):
-    # ModelParallelConfig.__post_init__ warns exactly this.
+    # Megatron-LM validate_args asserts "When using MoE and tensor parallelism, sequence parallelism
+    # must be used." for any MoE model with TP > 1; ModelParallelConfig.__post_init__ raises the EP
+    # variant ("When using expert parallelism and tensor parallelism, sequence parallelism must be used").
     return (
-        [SP, EP, TP],
-        "When using expert parallelism and tensor parallelism for training, sequence parallelism must be used "
-        f"(Megatron-Core warning; tensor_model_parallel_size {c.tp}, expert_model_parallel_size {c.ep}): "
-        f"without it the MoE dispatch handles every token on all {c.tp} TP ranks",
+        [SP, TP],
+        f"When using MoE and tensor parallelism, sequence parallelism must be used (Megatron-LM; "
+        f"tensor_model_parallel_size {c.tp}, expert_model_parallel_size {c.ep})",
         "set parallelism.sequence_parallel true",
     )
 
