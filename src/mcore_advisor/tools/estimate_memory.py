@@ -74,6 +74,20 @@ def _candidates(plan: Plan) -> list[tuple[str, Any, Any, Plan, str]]:
     if im.attention_backend in ("unfused", "local"):
         add("implementation", "attention_backend", "auto",
             "flash/fused attention never stores the s x s scores; also faster")
+    if im.cross_entropy_loss_fusion and im.cross_entropy_fusion_impl == "native":
+        if im.transformer_impl == "transformer_engine":
+            add("implementation", "cross_entropy_fusion_impl", "te",
+                "Transformer Engine's cross entropy writes the gradient into the bf16 logits: 2 B/logit instead of 10")
+        add("implementation", "cross_entropy_loss_fusion", False,
+            "unfused vocab-parallel cross entropy works in place: 6 B/logit instead of 10; a few more kernels")
+    if (p.recompute_granularity == "selective" and im.transformer_impl == "transformer_engine"
+            and im.attention_backend not in ("unfused", "local")
+            and set(p.recompute_modules or ["core_attn"]) == {"core_attn"}):
+        # Flash attention stores no s x s scores, and checkpointing it keeps the whole QKV output
+        # alive (tools.memory): with TE, selective core_attn recompute costs memory.
+        add(P, "recompute_granularity", None,
+            "with TE flash attention, recomputing core attention saves nothing and keeps the QKV GEMM output; also faster",
+            recompute_modules=None)
     if p.recompute_granularity is None:
         add(P, "recompute_granularity", "selective", "recomputes core attention (Megatron default module): ~2-3% more FLOPs",
             recompute_modules=None)
