@@ -34,13 +34,14 @@ MEM_LINE = re.compile(r"^\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\)
                       r" reserved: [\d.]+ \| max reserved: [\d.]+$")
 
 
-def _run(tmp_path: Path, plan: dict, nproc: int = 1, **kw) -> tuple[subprocess.CompletedProcess, Path]:
+def _run(tmp_path: Path, plan: dict, nproc: int = 1, script: Path | None = None, **kw) -> tuple[subprocess.CompletedProcess, Path]:
     spec = job_spec(Plan(**plan), **({"warmup_steps": 1, "measure_steps": 2, "profile_steps": (1, 1)} | kw))
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    entry = ["-m", "mcore_advisor.launcher.entry.profile", "--spec", str(spec_path), "--out-dir", str(out), "--device", "cpu"]
+    target = [str(script)] if script else ["-m", "mcore_advisor.launcher.entry.profile"]
+    entry = [*target, "--spec", str(spec_path), "--out-dir", str(out), "--device", "cpu"]
     if nproc == 1:
         cmd = [sys.executable, *entry]
     else:
@@ -91,6 +92,145 @@ def test_tiny_gpt_world_size_1_reports_times_memory_log_and_trace(tmp_path):
     r = _check_ok(proc, out, 1)
     assert "scaled_dot_product_attention" in r["attention_impl"]
     assert r["settings"]["recompute_granularity"] == "selective"
+    # Megatron-LM training.py train() with --overlap-grad-reduce (plan default) and the default
+    # --align-grad-reduce: no_sync_func + grad_sync_func; param_sync_func only with interleaving.
+    assert r["settings"]["schedule_hooks"] == ["finalize_model_grads_func", "grad_sync_func", "no_sync_func"]
+    assert r["settings"]["align_param_gather"] is False
+    host = r["host"]
+    assert len(host["gc_pause_s_per_iteration"]) == 3 and all(x >= 0 for x in host["gc_pause_s_per_iteration"])
+    assert len(host["gc_gen2_collections_per_iteration"]) == 3
+    assert host["cpu_count"] >= 1 and host["local_processes_of_this_job"] == 1
+    assert host["cpu_steal_fraction_measured"] is None or 0.0 <= host["cpu_steal_fraction_measured"] <= 1.0
+    # GPU busy time needs CUDA kernels in the trace
+    assert r["device_busy_s_per_profiled_iteration"] is None and r["device_idle_fraction_profiled"] is None
+
+
+def test_forward_step_and_loss_func_read_nothing_back_to_the_host():
+    # A device->host read per micro-batch (.item(), float(), bool(), .tolist(), .cpu()) makes the
+    # CPU wait for the GPU before launching the next micro-batch; at small micro-batches the GPU
+    # then idles (H200 sweep, benchmarks/results/gpu_h200_summary.md). The schedule's part of a
+    # micro-batch must launch work only.
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mcore_advisor.launcher.entry.profile import forward_step
+
+    host_reads = []
+    reading = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+               torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}
+
+    class Methods(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in reading or (func is torch.Tensor.to and any(str(a).startswith("cpu") for a in args[1:])):
+                host_reads.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                host_reads.append("aten._local_scalar_dense")
+            return func(*args, **(kwargs or {}))
+
+    w = torch.ones((), requires_grad=True)
+    tokens = torch.arange(8).view(2, 4)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 1.0]])
+    batch = {"tokens": tokens, "labels": tokens, "position_ids": tokens, "loss_mask": mask}
+
+    def model_chunk(tok, pos, attn_mask, labels):
+        return (tok.float() + 1.0) * w  # per-token "losses" 1..8, as GPTModel returns [b, s]
+
+    with Methods(), Ops():
+        output, loss_fn = forward_step(iter([batch]), model_chunk)
+        loss, num_tokens, reported = loss_fn(output)
+        # what schedules.forward_step_calc_loss does next with calculate_per_token_loss=False
+        loss /= torch.clamp(num_tokens, min=1)
+        loss /= 4
+    assert host_reads == []
+    # masked per-token losses: 1+2+4 + 5+7+8 = 27 over 6 tokens; the report keeps the sums
+    assert reported["lm loss"].tolist() == [27.0, 6.0]
+    assert num_tokens.dtype == torch.int32 and int(num_tokens) == 6
+    assert float(loss.detach()) == pytest.approx(27.0 / 6 / 4)
+    loss.backward()
+    assert float(w.grad) == pytest.approx(27.0 / 24)
+
+
+def test_h200_traces_flag_the_small_micro_batch_run_as_host_bound_and_not_the_large_one():
+    # Rank-0 torch.profiler traces of two H200 runs (benchmarks/results/gpu_traces, step times
+    # from gpu_memory_sweep.jsonl / gpu_h200_runs.jsonl): GPT 1.3B TE, DP2 mbs 4 (4 micro-batches
+    # per rank; profiled iteration 0.990 s) and one GPU mbs 8 (1.077 s).
+    import gzip
+
+    from mcore_advisor.launcher.entry import trace
+    from mcore_advisor.launcher.entry.profile import device_idle
+
+    traces = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu_traces"
+
+    def busy(name: str) -> float:
+        events = json.loads(gzip.decompress((traces / f"{name}.trace_rank0.json.gz").read_bytes()))["traceEvents"]
+        return trace.exposed_comm(events, num_steps=1)["device_busy_s"]
+
+    small = busy("m_gpt1.3b_dp2_distopt_mbs4")
+    idle, note = device_idle(small, 0.990)
+    assert small == pytest.approx(0.508, abs=0.005) and idle == pytest.approx(0.49, abs=0.01)
+    assert note and note.startswith("host-bound")
+    idle, note = device_idle(busy("t_gpt1.3b_te_bf16_mbs8"), 1.077)
+    assert idle < 0.06 and note is None
+
+
+_COUNTING_ENTRY = """
+import collections, json, os, sys
+import torch.distributed as dist
+from mcore_advisor.launcher.entry import profile
+
+# Patched before megatron is imported: its grad buffers bind the collectives at import time.
+counts = collections.defaultdict(collections.Counter)
+for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "_reduce_scatter_base", "_all_gather_base"):
+    orig = getattr(dist, name)
+    def counted(*a, _orig=orig, _name=name, **k):
+        group = k.get("group")
+        if (dist.get_world_size(group) if group is not None else dist.get_world_size()) > 1:
+            counts[profile._State.iteration][_name] += 1
+        return _orig(*a, **k)
+    setattr(dist, name, counted)
+rc = profile.main(sys.argv[1:])
+if os.environ.get("RANK") == "0":
+    out = sys.argv[sys.argv.index("--out-dir") + 1]
+    with open(os.path.join(out, "collectives.json"), "w") as f:
+        json.dump({str(k): dict(v) for k, v in counts.items()}, f)
+sys.exit(rc)
+"""
+
+
+def test_data_parallel_gradients_are_reduced_once_per_iteration_not_per_micro_batch(tmp_path):
+    # DP=2, 4 micro-batches per rank, distributed optimizer with overlapped grad reduce and param
+    # gather (the plan defaults). The tiny model (~0.1 M parameters) fits in one DDP bucket
+    # (40 M parameters, Megatron-LM resolve_ddp_bucket_size), so each iteration must show exactly
+    # one reduce-scatter of the gradients and one all-gather of the updated parameters, however
+    # many micro-batches it has.
+    script = tmp_path / "counting_entry.py"
+    script.write_text(_COUNTING_ENTRY)
+    plan = _plan(gpus=2, training={"seq_length": 64, "global_batch_size": 8, "micro_batch_size": 1})
+    proc, out = _run(tmp_path, plan, nproc=2, script=script)
+    r = _check_ok(proc, out, 2)
+    assert r["spec"]["dims"]["dp"] == 2 and r["spec"]["dims"]["num_microbatches"] == 4
+    counts = json.loads((out / "collectives.json").read_text())
+    for it in ("1", "2", "3"):
+        assert counts[it].get("reduce_scatter_tensor", 0) + counts[it].get("_reduce_scatter_base", 0) == 1, counts
+        assert counts[it].get("all_gather_into_tensor", 0) + counts[it].get("_all_gather_base", 0) == 1, counts
+
+
+def test_interleaved_pipeline_trains_with_a_finite_falling_loss_over_gloo(tmp_path):
+    # PP=2 with 2 virtual stages (one layer per chunk). Freeing a stage output while its async
+    # gloo send was still in flight once gave NaN from the first iteration on CPU.
+    plan = _plan(gpus=2, model={**TINY, "num_layers": 4},
+                 parallelism={"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2})
+    proc, out = _run(tmp_path, plan, nproc=2)
+    r = _check_ok(proc, out, 2)
+    assert r["settings"]["deallocate_pipeline_outputs"] is False
+    assert sorted(x["pp_rank"] for x in r["ranks"]) == [0, 1]
+    # interleaving with the overlapped param gather: Megatron-LM aligns it (param_sync_func)
+    assert r["settings"]["align_param_gather"] is True and "param_sync_func" in r["settings"]["schedule_hooks"]
 
 
 def test_tiny_gpt_tensor_parallel_2_with_sequence_parallel_over_gloo(tmp_path):

@@ -10,7 +10,9 @@ not the rest of the project's dependencies.
 
 Writes into DIR:
 - result.json (rank 0): step times, tokens/s, TFLOP/s and MFU in both conventions, peak memory of
-  every rank, exposed communication from the trace, versions, and what was actually used;
+  every rank, exposed communication and GPU busy time from the trace, host diagnostics (Python GC
+  pauses per timed iteration, CPU steal and load over the measured ones), versions, and what was
+  actually used;
 - train.log: one line per iteration in Megatron-LM's `training_log` format plus its memory report;
 - trace_rank0.json: torch.profiler Chrome trace of the profiled iterations;
 - error.json on failure ({status: "failed", error_type, message, rank, ...}), exit status 1.
@@ -26,6 +28,7 @@ DotProductAttention for attention_backend 'unfused'/'local').
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -80,6 +83,138 @@ def iteration_plan(warmup_steps: int, measure_steps: int, profile_steps: list[in
         else:
             kinds.append("extra")
     return kinds
+
+
+# --------------------------------------------------------------------------- one micro-batch
+
+def loss_func(loss_mask, output_tensor):
+    """Megatron-LM pretrain_gpt `loss_func`: (summed loss, token count, {'lm loss': [sum, count]}).
+
+    With `calculate_per_token_loss=False` (the TransformerConfig default, as in pretrain_gpt) the
+    schedule divides the returned loss in place by the token count and the number of micro-batches
+    (schedules.forward_step_calc_loss), hence the detached clone for reporting.
+    Nothing here reads a device value back to the host: a `.item()`/`float()`/`bool()` per
+    micro-batch would make the CPU wait for the GPU and leave it idle while the next micro-batch
+    is launched. (pretrain_gpt's own NaN/Inf checks do read the loss back, twice per micro-batch;
+    this job leaves them out, so it is never slower than pretrain_gpt on that account.)
+    """
+    import torch
+
+    losses = output_tensor.float().view(-1)
+    loss = torch.sum(losses * loss_mask.view(-1))
+    num_tokens = loss_mask.sum().detach().to(torch.int)
+    report = torch.cat([loss.detach().clone().view(1), num_tokens.detach().float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model_chunk):
+    """The `forward_step_func` handed to Megatron's schedule: one prebuilt device batch per call."""
+    batch = next(data_iterator)
+    output = model_chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+# --------------------------------------------------------------------------- host diagnostics
+
+def _cpu_times() -> tuple[float, float] | None:
+    """(steal, total) jiffies summed over all CPUs from /proc/stat; None off Linux.
+
+    Steal time is what a hypervisor gave to other guests while this VM's vCPU wanted to run.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    vals = [float(x) for x in fields[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user/nice]
+    total = sum(vals[:8])
+    steal = vals[7] if len(vals) > 7 else 0.0
+    return steal, total
+
+
+class _HostMonitor:
+    """Per-iteration Python GC pauses and, over the measured window, CPU steal and load.
+
+    A host-bound step (the GPU waits for the CPU to launch kernels, typical at small micro-batches)
+    is slowed by anything that takes the CPU away: GC pauses in this process, other processes on
+    the machine, or the hypervisor. These figures say which one it was without a re-run.
+    """
+
+    def __init__(self) -> None:
+        import gc
+
+        self._gc = gc
+        self.gc_s: list[float] = []
+        self.gc_gen2: list[int] = []
+        self._t0 = 0.0
+        self._steal0: tuple[float, float] | None = None
+        self.steal_fraction: float | None = None
+        self.loadavg_1m: tuple[float, float] | None = None
+        self._load0: float | None = None
+        self._active = False
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not self._active:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.gc_s[-1] += time.perf_counter() - self._t0
+            if info.get("generation") == 2:
+                self.gc_gen2[-1] += 1
+
+    def begin_iteration(self) -> None:
+        """Start counting GC for one timed iteration (call right before its clock starts)."""
+        self.gc_s.append(0.0)
+        self.gc_gen2.append(0)
+        self._active = True
+
+    def end_iteration(self) -> None:
+        self._active = False
+
+    def measure_start(self) -> None:
+        self._steal0 = _cpu_times()
+        self._load0 = _loadavg()
+
+    def measure_end(self) -> None:
+        end = _cpu_times()
+        if self._steal0 is not None and end is not None and end[1] > self._steal0[1]:
+            self.steal_fraction = (end[0] - self._steal0[0]) / (end[1] - self._steal0[1])
+        load1 = _loadavg()
+        if self._load0 is not None and load1 is not None:
+            self.loadavg_1m = (self._load0, load1)
+
+    def close(self) -> None:
+        if self._callback in self._gc.callbacks:
+            self._gc.callbacks.remove(self._callback)
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+#: a profiled iteration whose GPU idles more than this is reported as host-bound
+HOST_BOUND_IDLE_FRACTION = 0.25
+
+
+def device_idle(device_busy_s: float, profiled_iteration_s: float) -> tuple[float, str | None]:
+    """(idle fraction of the GPU in a profiled iteration, 'host-bound' note or None).
+
+    No per-micro-batch host sync in the loop means an idle GPU is waiting for the CPU to launch
+    kernels. The profiler adds host time per op, so a profiled iteration overstates it somewhat.
+    """
+    idle = max(0.0, 1.0 - device_busy_s / profiled_iteration_s)
+    if idle <= HOST_BOUND_IDLE_FRACTION:
+        return idle, None
+    return idle, (f"host-bound: GPU kernels ran {device_busy_s:.3f} s of the {profiled_iteration_s:.3f} s profiled "
+                  f"iteration ({100 * idle:.0f}% idle); the CPU did not launch work fast enough (see host)")
 
 
 # --------------------------------------------------------------------------- environment
@@ -318,7 +453,10 @@ class Job:
             # wrongly over gloo when prev and next stage are the same peer (PP=2).
             overlap_p2p_comm=d["vp"] is not None,
             batch_p2p_comm=d["vp"] is None,
-            deallocate_pipeline_outputs=True,
+            # On CPU an async gloo send of a stage output may still be reading it when the
+            # schedule frees it (no stream-ordered allocator keeps it alive, as CUDA's does):
+            # interleaved PP then trained on garbage (NaN loss from iteration 1 at PP 2 and 4).
+            deallocate_pipeline_outputs=cuda,
             fp8=fp8,
             fp8_recipe=t["fp8_recipe"] if fp8 else None,
             fp8_margin=0,
@@ -361,6 +499,7 @@ class Job:
             "apply_rope_fusion": kw["apply_rope_fusion"],
             "masked_softmax_fusion": kw["masked_softmax_fusion"],
             "cross_entropy_loss_fusion": kw["cross_entropy_loss_fusion"],
+            "deallocate_pipeline_outputs": kw["deallocate_pipeline_outputs"],
             "dropout": 0.0,
         }
         return cfg
@@ -455,10 +594,14 @@ class Job:
         distopt = bool(p["use_distributed_optimizer"])
         overlap_grad = bool(p["overlap_grad_reduce"])
         overlap_param = bool(p["overlap_param_gather"]) and distopt and overlap_grad
+        # Megatron-LM arguments.py: --align-param-gather (default on) is reset to off unless the
+        # schedule is interleaved; get_model passes it into the DDP config.
+        align_param = overlap_param and d["vp"] is not None
         ddp_kw = dict(
             grad_reduce_in_fp32=bool(impl["grad_reduce_in_fp32"]),
             overlap_grad_reduce=overlap_grad,
             overlap_param_gather=overlap_param,
+            align_param_gather=align_param,
             use_distributed_optimizer=distopt,
             check_for_nan_in_grad=False,
             # Megatron-LM training.py resolve_ddp_bucket_size: buckets only when overlapping.
@@ -482,15 +625,20 @@ class Job:
             overlap_param_gather=overlap_param,
         )
         optimizer = get_megatron_optimizer(_filtered(OptimizerConfig, opt_kw, self.dropped), chunks)
-        # Megatron-LM training.py setup_model_and_optimizer / train: the schedule's hooks.
+        # Megatron-LM training.py train(): the schedule's hooks. no_sync keeps the DDP hooks from
+        # launching the gradient reduction before the last micro-batch; grad_sync_func
+        # (--align-grad-reduce, default on) lets the pipeline schedules launch it for all stages
+        # together (forward_backward_no_pipelining does not use it); param_sync_func only with
+        # align_param_gather, which Megatron-LM's arguments.py keeps only for interleaved PP.
         config.grad_scale_func = optimizer.scale_loss
         if overlap_grad:
-            fns = [c.no_sync for c in chunks]
-            config.no_sync_func = fns[0] if len(fns) == 1 else fns
-            if len(chunks) > 1:  # align_grad_reduce (Megatron-LM default) matters with VP
-                config.grad_sync_func = [c.start_grad_sync for c in chunks]
-        if overlap_param and len(chunks) > 1:
-            config.param_sync_func = [c.start_param_sync for c in chunks]
+            nosync = [c.no_sync for c in chunks]
+            gsync = [c.start_grad_sync for c in chunks]
+            config.no_sync_func = nosync[0] if len(chunks) == 1 else nosync
+            config.grad_sync_func = gsync[0] if len(chunks) == 1 else gsync
+        if align_param:
+            psync = [c.start_param_sync for c in chunks]
+            config.param_sync_func = psync[0] if len(chunks) == 1 else psync
         config.finalize_model_grads_func = finalize_model_grads
         self.settings.update(
             use_distributed_optimizer=distopt,
@@ -498,6 +646,9 @@ class Job:
             overlap_param_gather=overlap_param,
             grad_reduce_in_fp32=bool(impl["grad_reduce_in_fp32"]),
             ddp_bucket_size=ddp_kw["bucket_size"],
+            align_param_gather=align_param,
+            schedule_hooks=sorted(k for k in ("no_sync_func", "grad_sync_func", "param_sync_func", "finalize_model_grads_func")
+                                  if getattr(config, k, None) is not None),
         )
         self.chunks, self.optimizer, self.config = chunks, optimizer, config
 
@@ -583,22 +734,6 @@ class Job:
         flops_full = _flops.flops_per_iteration(self.spec["model"], s, gbs, "full", padded_vocab=self.spec["padded_vocab_size"])
         self.flops = {"causal": flops_causal, "full": flops_full}
 
-        def forward_step(data_iterator, model_chunk):
-            batch = next(data_iterator)
-            output = model_chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-            mask = batch["loss_mask"]
-
-            def loss_func(output_tensor):
-                # Megatron-LM pretrain_gpt loss_func: summed loss and token count; the schedule
-                # divides by both (in place, hence the clones for reporting).
-                losses = output_tensor.float().view(-1)
-                loss = torch.sum(losses * mask.view(-1))
-                num_tokens = mask.sum().detach().to(torch.int)
-                report = torch.cat([loss.detach().clone().view(1), num_tokens.detach().float().view(1)])
-                return loss, num_tokens, {"lm loss": report}
-
-            return output, loss_func
-
         log_file = open(self.out / "train.log", "a") if is_log_rank else None
         prof = None
         times: list[float] = []
@@ -606,6 +741,9 @@ class Job:
         grad_norms: list[float | None] = []
         trace_path = self.out / f"trace_rank{self.rank}.json"
         nan_iters = 0
+        measured_at = [i for i, k in enumerate(kinds) if k == "measure"]
+        first_measured, last_measured = measured_at[0] + 1, measured_at[-1] + 1
+        host = self.host = _HostMonitor()
         try:
             for it in range(1, total + 1):
                 _State.iteration = it
@@ -613,6 +751,9 @@ class Job:
                 if kind == "profile" and (it == 1 or kinds[it - 2] != "profile") and self.rank == 0:
                     prof = self._start_profiler()
                 self._sync()
+                if it == first_measured:
+                    host.measure_start()
+                host.begin_iteration()
                 t0 = time.perf_counter()
                 for c in self.chunks:
                     c.zero_grad_buffer()
@@ -622,6 +763,9 @@ class Job:
                 ok, grad_norm, _ = self.optimizer.step()
                 self._sync()
                 dt = time.perf_counter() - t0
+                host.end_iteration()
+                if it == last_measured:
+                    host.measure_end()
                 if prof is not None and (it == total or kinds[it] != "profile"):
                     prof.stop()
                     prof.export_chrome_trace(str(trace_path))
@@ -651,6 +795,7 @@ class Job:
                 if it in (1, 2) or it == total:
                     self._report_memory(it, log_file)
         finally:
+            host.close()
             if log_file is not None:
                 log_file.close()
         self._finish(kinds, times, losses_out, grad_norms, trace_path)
@@ -692,6 +837,8 @@ class Job:
             "peak_allocated_gib": mem["max_allocated_mb"] * MIB / GIB,
             "peak_reserved_gib": mem["max_reserved_mb"] * MIB / GIB,
             "num_params_local": self.num_params_local,
+            "gc_pause_s": self.host.gc_s,
+            "gc_gen2": self.host.gc_gen2,
         }
         rows = sorted(self._gather(mine), key=lambda r: r["rank"])
         if self.rank != 0:
@@ -713,6 +860,13 @@ class Job:
                 comm = _trace.exposed_comm(events, num_steps=kinds.count("profile"))
             except Exception as exc:  # the trace is evidence; a parse problem must not fail the run
                 self.notes.append(f"trace analysis failed: {type(exc).__name__}: {exc}")
+        device_busy = idle = None
+        profiled = [step[i] for i, k in enumerate(kinds) if k == "profile"]
+        if comm and comm["method"].startswith("gpu") and profiled:
+            device_busy = comm["device_busy_s"]
+            idle, note = device_idle(device_busy, statistics.median(profiled))
+            if note:
+                self.notes.append(note)
         device = torch.cuda.get_device_name() if self.use_cuda else (platform.processor() or platform.machine() or "cpu")
         result = {
             "status": "ok",
@@ -747,6 +901,9 @@ class Job:
             "exposed_comm_s": comm["exposed_comm_s"] if comm else None,
             "comm_s": comm["comm_s"] if comm else None,
             "exposed_comm_method": comm["method"] if comm else None,
+            "device_busy_s_per_profiled_iteration": device_busy,
+            "device_idle_fraction_profiled": idle,
+            "host": self._host_report(rows),
             "trace": trace_path.name if trace_path.exists() else None,
             "losses": last_losses,
             "grad_norms": rows[-1]["grad_norms"],
@@ -755,6 +912,27 @@ class Job:
         tmp = self.out / "result.json.tmp"
         tmp.write_text(json.dumps(result, indent=1))
         tmp.replace(self.out / "result.json")
+
+    def _host_report(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """What competed with the launching CPU threads during the timed iterations."""
+        h = self.host
+        n = len(rows[0]["gc_pause_s"])
+        try:
+            usable = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            usable = None
+        return {
+            "cpu_count": os.cpu_count(),
+            "cpus_usable": usable,
+            "local_processes_of_this_job": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            "cpu_steal_fraction_measured": h.steal_fraction,
+            "loadavg_1m_measure_start_end": list(h.loadavg_1m) if h.loadavg_1m else None,
+            # The slowest rank sets the step; report the worst rank per iteration.
+            "gc_pause_s_per_iteration": [max(r["gc_pause_s"][i] for r in rows) for i in range(n)],
+            "gc_gen2_collections_per_iteration": [max(r["gc_gen2"][i] for r in rows) for i in range(n)],
+            "gc_source": "Python gc.callbacks inside the timed region of each iteration, worst rank",
+            "steal_source": "/proc/stat steal / total jiffies over the measured iterations (all CPUs of the machine)",
+        }
 
 
 def _have_fused_softmax() -> bool:
