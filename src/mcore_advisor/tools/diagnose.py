@@ -294,6 +294,8 @@ def _components(plan: Plan, shape: ModelShape, perf: PerfEstimate, step_s: float
         ("attention below peak", max(0.0, b.attention_s - ideal_attn),
          f"core attention at {ideal_attn / b.attention_s:.0%} of peak ({plan.implementation.transformer_impl}, attention_backend {plan.implementation.attention_backend})" if b.attention_s > 0 else ""),
         ("element-wise kernels", b.elementwise_s, "norms, activations, residuals, RoPE, cross-entropy: memory-bound work with no counted FLOPs"),
+        ("host-bound launches", b.host_bound_s,
+         f"layers too small to outrun the host's kernel launches at micro-batch {tr.micro_batch_size}: a larger micro-batch (or fewer, larger layers per GPU) hides them"),
         ("fixed overhead", b.overhead_s, "per-iteration launch and host overhead"),
     ]
     return sorted(

@@ -124,6 +124,7 @@ _TERM_NAMES = {
     "pipeline_bubble_s": "pipeline bubble",
     "dp_comm_exposed_s": "exposed data-parallel gradient/parameter communication",
     "optimizer_s": "optimizer step",
+    "host_bound_s": "host-bound kernel launches (layers too small for the GPU)",
     "overhead_s": "fixed overhead",
 }
 

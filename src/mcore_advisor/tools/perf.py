@@ -173,6 +173,23 @@ NETWORK_HOP_LATENCY_S = 5e-6
 2(n-1) for all-reduce), on top of the bandwidth ramp above: launch + a few us per InfiniBand hop.
 They matter only for small models and long rings."""
 
+HOST_LAYER_S = 6.1e-3
+HOST_SELECTIVE_EXTRA_S = 1.7e-3
+HOST_FULL_EXTRA_S = 4.2e-3
+"""Host (CPU) floor per transformer layer and micro-batch, forward + backward: the Python and
+launch work of Megatron-Core's layer, which the GPU cannot outrun however small its kernels. Measured
+on the H200 machine of this workplace (benchmarks/results/gpu_h200_summary.md): Megatron-LM's own
+pretrain_gpt.py at micro-batch 4 (1169 ms for 8 micro-batches x 24 layers = 6.09 ms per layer) and
+our profile job at micro-batch 1 (146 ms / 24 = 6.1 ms) sit on the same floor while their GPU work
+is 1.5 to 5.5 ms; selective recompute (core_attn) adds 1.7 ms and full recompute, which reruns the
+forward, 4.2 ms (7.8 and 10.3 ms floors). A faster host lowers it; only small layers reach it."""
+
+# MoE layers have a larger host cost (router, permutation, the alltoall dispatcher's device-to-host
+# read of tokens per expert): a 12-layer 8-expert model ran 26 ms per layer and micro-batch on the
+# H200 VM (benchmarks/results/gpu_memory_sweep.jsonl), but published large-MoE runs on bare-metal
+# hosts (Qwen3-235B, MoE Model Zoo) rule out a floor that high there. Host speed varies too much
+# between machines to carry one MoE figure over, so no MoE-specific floor is modelled.
+
 ITERATION_OVERHEAD_S = 0.005
 """Per-iteration fixed cost outside the schedule: loss reduction and logging, grad-norm
 all-reduce, optimizer launches, data loader. An estimate; it matters only for very short steps."""
@@ -262,6 +279,7 @@ class StepTimeBreakdown(BaseModel):
     pipeline_bubble_s: float = Field(description="Pipeline fill and drain: (sum of stage times - slowest stage) / VP; (pp-1)/(vp*m) of the schedule for equal stages.")
     dp_comm_exposed_s: float = Field(description="Data-parallel gradient reduce-scatter/all-reduce and parameter all-gather not overlapped.")
     optimizer_s: float = Field(description="Adam step over the local parameter shard (HBM-bound).")
+    host_bound_s: float = Field(description="GPU idle waiting for the host to launch kernels: small layers whose GPU work is under the host floor (HOST_LAYER_S).")
     overhead_s: float = Field(description="Fixed per-iteration overhead.")
 
 
@@ -660,7 +678,11 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
     if shape.is_moe:
         fm, bm, rm = layer_time(layers["moe"], True)
         lay_f, lay_b, lay_rc = lay_f + frac_moe * fm, lay_b + frac_moe * bm, lay_rc + frac_moe * rm
-    t_layer = lay_f + lay_b + lay_rc
+    t_layer_gpu = lay_f + lay_b + lay_rc
+    host_floor = (HOST_LAYER_S + np.where(recompute == 1, HOST_SELECTIVE_EXTRA_S, 0.0)
+                  + np.where(recompute == 2, recompute_fraction * HOST_FULL_EXTRA_S, 0.0))
+    host_gap = np.maximum(0.0, host_floor - t_layer_gpu)
+    t_layer = t_layer_gpu + host_gap
 
     # ---- embedding (first stage) and output layer + loss (last stage) ----------------------
     V = np.ceil(shape.vocab_size / (shape.make_vocab_size_divisible_by * tp)) * shape.make_vocab_size_divisible_by * tp
@@ -755,6 +777,7 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
         "pipeline_bubble_s": bubble,
         "dp_comm_exposed_s": dp_exposed,
         "optimizer_s": t_opt,
+        "host_bound_s": k * host_gap,
         "overhead_s": np.zeros_like(iter_s) + ITERATION_OVERHEAD_S,
     }
 
