@@ -259,3 +259,12 @@ def layers_per_stage(num_layers: int, pp: int, first: int | None = None, last: i
         raise ValueError(f"{rest} remaining layers cannot be split evenly over {middle_stages} middle stages")
     per = rest // middle_stages
     return ([first] if first is not None else []) + [per] * middle_stages + ([last] if last is not None else [])
+
+
+def with_changes(plan: Plan, section: str, **changes) -> Plan:
+    """A copy of `plan` with fields of one section changed, validated like any input plan.
+
+    (model_copy alone skips validation, so a proposed fix could carry an out-of-range value.)
+    """
+    part = getattr(plan, section).model_dump()
+    return Plan.model_validate({**plan.model_dump(), section: {**part, **changes}})

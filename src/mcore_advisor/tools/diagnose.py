@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
-from mcore_advisor.schemas import Finding, ModelShape, Plan, parallel_dims
+from mcore_advisor.schemas import Finding, ModelShape, Plan, parallel_dims, with_changes
 from mcore_advisor.tools.evaluate import Evaluation, evaluate_plan
 from mcore_advisor.tools.flops import flops_per_token_breakdown
 from mcore_advisor.tools.logparse import (
@@ -107,10 +107,6 @@ class OomDiagnosis(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
-def _with(plan: Plan, section: str, **changes) -> Plan:
-    sect = getattr(plan, section).model_copy(update=changes)
-    # model_copy skips validation; re-validate the whole plan so field constraints still hold
-    return Plan.model_validate({**plan.model_dump(), section: sect.model_dump()})
 
 
 def _fmt(v) -> str:
@@ -143,7 +139,7 @@ def _candidates(plan: Plan, shape: ModelShape, purpose: Literal["speed", "memory
             return None
         desc = ", ".join(f"{section}.{k} {_fmt(getattr(cur, k))} -> {_fmt(v)}" for k, v in kv.items())
         try:
-            changed = _with(plan, section, **kv)
+            changed = with_changes(plan, section, **kv)
         except ValueError:  # outside a field's range (e.g. CP beyond 1024): not a candidate
             return None
         return desc, [f"{section}.{k}" for k in kv], changed, caveat

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.models import resolve_model
-from mcore_advisor.schemas import Finding, Plan, parallel_dims
+from mcore_advisor.schemas import Finding, Plan, parallel_dims, with_changes
 from mcore_advisor.tools.memory import MemoryBreakdown, memory_breakdown
 
 # Below this fraction of capacity left, suggest changes even though the plan fits: allocator
@@ -49,9 +49,6 @@ class MemoryReport(BaseModel):
     suggestions: list[MemoryChange] = Field(description="Ranked by memory saved; given when the plan does not fit or headroom < 5%.")
 
 
-def _with(plan: Plan, section: str, **changes: Any) -> Plan:
-    part = getattr(plan, section)
-    return plan.model_copy(update={section: part.model_copy(update=changes)})
 
 
 def _candidates(plan: Plan) -> list[tuple[str, Any, Any, Plan, str]]:
@@ -64,7 +61,7 @@ def _candidates(plan: Plan) -> list[tuple[str, Any, Any, Plan, str]]:
 
     def add(section: str, name: str, new: Any, note: str, **extra: Any) -> None:
         cur = getattr(getattr(plan, section), name)
-        out.append((f"{section}.{name}", cur, new, _with(plan, section, **{name: new}, **extra), note))
+        out.append((f"{section}.{name}", cur, new, with_changes(plan, section, **{name: new}, **extra), note))
 
     if not im.expandable_segments:
         add("implementation", "expandable_segments", True,
