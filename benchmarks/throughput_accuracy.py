@@ -199,7 +199,7 @@ def gpu_run_cases() -> list[Case]:
 # --------------------------------------------------------------------------- host-bound GPU rows
 # A step is host-bound when the CPU needs longer to launch a micro-batch's kernels (Python +
 # Megatron-Core + TE + CUDA launch) than the GPU needs to run them. The step-time model holds each
-# layer to tools.perf.HOST_LAYER_S (the dense-layer floor measured on this device VM); a row is
+# layer to the GPU catalog's host_floor_ms_per_layer (the dense-layer floor measured on this device VM); a row is
 # flagged here when it is still > 10% slower than predicted while its predicted time per layer sits
 # on that floor, i.e. the host was slower still (a neighbour run, MoE dispatch syncs). The summary
 # also reports the error without such rows.
@@ -380,7 +380,7 @@ def explain(c: Case) -> str:
         why.append(f"{e.num_microbatches} micro-batches of {c.plan.training.micro_batch_size * c.plan.training.seq_length // par.tensor_model_parallel_size} tokens/GPU: MoE dispatch host syncs, per-kernel overheads and routing imbalance not modelled")
     hb = c.host_bound
     if hb:
-        why.append(f"HOST-BOUND (per-micro-batch CPU launch work of the entry's Megatron-Core+TE process, not modelled): {hb}")
+        why.append(f"HOST-BOUND (per-micro-batch CPU launch work of the entry's Megatron-Core+TE process, beyond the host floor the model applies): {hb}")
     elif over and par.tensor_model_parallel_size <= 2 and e.tokens_per_s_per_gpu > 4000:
         why.append("small model with little work per kernel: launch gaps and host overhead beyond the per-kernel constant")
     if "local spec unfused" in c.label:
@@ -430,7 +430,7 @@ def main() -> int:
         "Host-bound rows ([HOST-BOUND] above): the predicted GPU work per layer and micro-batch is below the host's",
         "launch cost measured on the same machine (the floor: smallest time per layer and micro-batch of the 1.3B",
         f"TE one-GPU sweep, per recompute setting: {floor_txt})",
-        "and the run is > 10% slower than predicted even with the model's host floor (tools.perf.HOST_LAYER_S).",
+        "and the run is > 10% slower than predicted even with the model's host floor (the GPU catalog's host_floor_ms_per_layer).",
         "These rows measure the device VM's CPU (Megatron-Core + TE Python and kernel launches per micro-batch,",
         "slowed further by a neighbour run's start-up or MoE dispatch syncs), not the GPU work. The",
         "entry's own per-micro-batch code adds no host sync and < 1 ms (benchmarks/results/gpu_h200_summary.md).",

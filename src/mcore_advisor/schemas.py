@@ -64,6 +64,7 @@ class ClusterSpec(BaseModel):
     nvlink_bandwidth_gbps: float | None = Field(None, gt=0, description="Override: unidirectional NVLink bandwidth per GPU, GB/s.")
     scaleout_bandwidth_gbps: float | None = Field(None, gt=0, description="Override: unidirectional inter-node bandwidth per GPU, GB/s (e.g. 50 for 400 Gb/s IB).")
     gpu_memory_gib: float | None = Field(None, gt=0, description="Override: usable HBM per GPU, GiB.")
+    host_floor_ms_per_layer: float | None = Field(None, ge=0, description="Override: host (CPU) time to launch one transformer layer's forward + backward per micro-batch, ms; small layers cannot run faster. None = the GPU catalog's (6.1 measured on H200 VMs; 0 = not binding elsewhere).")
 
 
 class TrainingSpec(BaseModel):

@@ -128,7 +128,7 @@ def test_selective_recompute_reruns_only_the_attention_forward():
 
 
 def test_full_recompute_costs_about_one_forward_pass():
-    # TP2 at 8K tokens per micro-batch: ~5 TFLOP per layer, well above the host floor (HOST_LAYER_S)
+    # TP2 at 8K tokens per micro-batch: ~5 TFLOP per layer, well above any host floor
     base = _plan("llama3-8b", num_gpus=8, s=8192, gbs=8, tensor_model_parallel_size=2, sequence_parallel=True)
     full = base.model_copy(update={"parallelism": base.parallelism.model_copy(
         update=dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))})
@@ -269,8 +269,9 @@ def test_vectorised_path_scores_moe_and_recompute_grids_in_one_call():
 
 def test_small_layers_are_held_to_the_host_floor():
     # GPT 1.3B at micro-batch 1 (2048 tokens): ~1.5 ms of GPU work per layer, under the 6.1 ms the
-    # host needs to launch it (perf.HOST_LAYER_S, measured on H200 with Megatron-LM and our job).
-    from mcore_advisor.tools.perf import HOST_LAYER_S
+    # H200 VM's host needs to launch it (catalog host_floor_ms_per_layer, measured with Megatron-LM
+    # and our job).
+    HOST_LAYER_S = 6.1e-3
 
     small = step_time(_plan("gpt3-1.3b", gpu="h200", num_gpus=1, s=2048, gbs=32, mbs=1))
     assert small.breakdown.host_bound_s > 0
@@ -279,3 +280,11 @@ def test_small_layers_are_held_to_the_host_floor():
     assert per_layer_mb == pytest.approx(HOST_LAYER_S, rel=0.15)  # plus embedding and loss per micro-batch
     big = step_time(_plan("gpt3-1.3b", gpu="h200", num_gpus=1, s=2048, gbs=32, mbs=16))
     assert big.breakdown.host_bound_s == 0
+
+
+def test_the_host_floor_is_the_catalogs_unless_the_cluster_overrides_it():
+    h100 = _plan("gpt3-1.3b", gpu="h100-sxm", num_gpus=1, s=2048, gbs=32, mbs=1)
+    assert step_time(h100).breakdown.host_bound_s == 0  # no floor measured for bare-metal H100 hosts
+    slow_host = h100.model_copy(update={"cluster": h100.cluster.model_copy(update={"host_floor_ms_per_layer": 6.1})})
+    assert step_time(slow_host).breakdown.host_bound_s > 0
+    assert step_time(slow_host).iteration_time_s > step_time(h100).iteration_time_s

@@ -183,7 +183,8 @@ def test_all_plan_fields_that_change_the_run_are_rendered():
     not_rendered = {
         "model.name", "model.vocab_size", "model.num_query_groups", "model.kv_channels",
         "cluster.gpu", "cluster.num_gpus", "cluster.gpus_per_node", "cluster.nvlink_bandwidth_gbps",
-        "cluster.scaleout_bandwidth_gbps", "cluster.gpu_memory_gib", "implementation.expandable_segments",
+        "cluster.scaleout_bandwidth_gbps", "cluster.gpu_memory_gib", "cluster.host_floor_ms_per_layer",
+        "implementation.expandable_segments",
         "model.make_vocab_size_divisible_by", "parallelism.virtual_pipeline_model_parallel_size",
     }
     source = Path(render_mod.__file__).with_name("megatron_args.py").read_text()

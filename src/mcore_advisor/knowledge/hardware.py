@@ -26,6 +26,7 @@ class GpuSpec(BaseModel):
     scaleout_bandwidth_gbps: float = Field(description="Inter-node network bandwidth per GPU per direction, GB/s (typical DGX/HGX: one 400 Gb/s NIC per GPU = 50).")
     gpus_per_node: int = Field(description="GPUs per node (NVLink domain) in the reference system.")
     matmul_efficiency: float = Field(description="Achievable fraction of the dense peak on large bf16 GEMMs; how it was measured is in `source`.")
+    host_floor_ms_per_layer: float = Field(0.0, description="Host (CPU) time to launch one transformer layer's forward + backward for one micro-batch, ms; 0 = not binding. Measured only where `source` says so; published bare-metal runs show it below the GPU work of their layers.")
     source: str = Field(description="Where every number above comes from.")
 
 

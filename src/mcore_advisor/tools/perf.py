@@ -173,16 +173,17 @@ NETWORK_HOP_LATENCY_S = 5e-6
 2(n-1) for all-reduce), on top of the bandwidth ramp above: launch + a few us per InfiniBand hop.
 They matter only for small models and long rings."""
 
-HOST_LAYER_S = 6.1e-3
-HOST_SELECTIVE_EXTRA_S = 1.7e-3
-HOST_FULL_EXTRA_S = 4.2e-3
-"""Host (CPU) floor per transformer layer and micro-batch, forward + backward: the Python and
-launch work of Megatron-Core's layer, which the GPU cannot outrun however small its kernels. Measured
-on the H200 machine of this workplace (benchmarks/results/gpu_h200_summary.md): Megatron-LM's own
-pretrain_gpt.py at micro-batch 4 (1169 ms for 8 micro-batches x 24 layers = 6.09 ms per layer) and
-our profile job at micro-batch 1 (146 ms / 24 = 6.1 ms) sit on the same floor while their GPU work
-is 1.5 to 5.5 ms; selective recompute (core_attn) adds 1.7 ms and full recompute, which reruns the
-forward, 4.2 ms (7.8 and 10.3 ms floors). A faster host lowers it; only small layers reach it."""
+HOST_SELECTIVE_EXTRA = 1.7 / 6.1
+HOST_FULL_EXTRA = 4.2 / 6.1
+"""Host (CPU) floor per transformer layer and micro-batch: the Python and launch work of
+Megatron-Core's layer, which the GPU cannot outrun however small its kernels. The floor itself is a
+property of the host (GpuSpec.host_floor_ms_per_layer, ClusterSpec override): 6.1 ms forward +
+backward on this workplace's H200 VMs, where Megatron-LM's own pretrain_gpt.py at micro-batch 4
+(1169 ms for 8 micro-batches x 24 layers) and our profile job at micro-batch 1 (146 ms / 24) sit on
+it with 1.5 to 5.5 ms of GPU work. Published bare-metal runs bound it below their layers' time
+(MCore README GPT 32B, TP8: 4.6 ms per layer and micro-batch in all), so elsewhere it is 0 unless
+given. Recompute adds host work in proportion, measured on the same VM: selective (core_attn) 1.7 ms
+and full 4.2 ms more (7.8 and 10.3 ms floors)."""
 
 # MoE layers have a larger host cost (router, permutation, the alltoall dispatcher's device-to-host
 # read of tokens per expert): a 12-layer 8-expert model ran 26 ms per layer and micro-batch on the
@@ -228,6 +229,7 @@ class HardwareParams:
     gemm_fp8_fraction: float
     elementwise_fraction: float
     stream_fraction: float
+    host_floor_s_per_layer: float = 0.0
 
 
 def hardware_params(cluster: ClusterSpec, spec: GpuSpec | None = None) -> HardwareParams:
@@ -251,6 +253,8 @@ def hardware_params(cluster: ClusterSpec, spec: GpuSpec | None = None) -> Hardwa
         gemm_fp8_fraction=meas.get("gemm_fp8", FP8_GEMM_EFFICIENCY),
         elementwise_fraction=meas.get("elementwise", ELEMENTWISE_BW_EFFICIENCY),
         stream_fraction=meas.get("stream", STREAM_BW_EFFICIENCY),
+        host_floor_s_per_layer=1e-3 * (cluster.host_floor_ms_per_layer if cluster.host_floor_ms_per_layer is not None
+                                       else g.host_floor_ms_per_layer),
     )
 
 
@@ -279,7 +283,7 @@ class StepTimeBreakdown(BaseModel):
     pipeline_bubble_s: float = Field(description="Pipeline fill and drain: (sum of stage times - slowest stage) / VP; (pp-1)/(vp*m) of the schedule for equal stages.")
     dp_comm_exposed_s: float = Field(description="Data-parallel gradient reduce-scatter/all-reduce and parameter all-gather not overlapped.")
     optimizer_s: float = Field(description="Adam step over the local parameter shard (HBM-bound).")
-    host_bound_s: float = Field(description="GPU idle waiting for the host to launch kernels: small layers whose GPU work is under the host floor (HOST_LAYER_S).")
+    host_bound_s: float = Field(description="GPU idle waiting for the host to launch kernels: small layers whose GPU work is under the host floor (GpuSpec.host_floor_ms_per_layer).")
     overhead_s: float = Field(description="Fixed per-iteration overhead.")
 
 
@@ -679,8 +683,8 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
         fm, bm, rm = layer_time(layers["moe"], True)
         lay_f, lay_b, lay_rc = lay_f + frac_moe * fm, lay_b + frac_moe * bm, lay_rc + frac_moe * rm
     t_layer_gpu = lay_f + lay_b + lay_rc
-    host_floor = (HOST_LAYER_S + np.where(recompute == 1, HOST_SELECTIVE_EXTRA_S, 0.0)
-                  + np.where(recompute == 2, recompute_fraction * HOST_FULL_EXTRA_S, 0.0))
+    host_floor = hw.host_floor_s_per_layer * (1.0 + np.where(recompute == 1, HOST_SELECTIVE_EXTRA, 0.0)
+                                              + np.where(recompute == 2, recompute_fraction * HOST_FULL_EXTRA, 0.0))
     host_gap = np.maximum(0.0, host_floor - t_layer_gpu)
     t_layer = t_layer_gpu + host_gap
 
