@@ -397,6 +397,9 @@ def plan_for_run(run: PublishedRun) -> RunPlan | None:
         training["precision"] = "fp8"
         if "cs" in (run.precision_label or "").lower():
             training["fp8_recipe"] = "tensorwise"  # Bridge 'FP8-CS' = per-tensor current scaling
+            # Megatron-Bridge bf16_with_fp8_current_scaling_mixed(): fp8_param_gather = True
+            training["fp8_param_gather"] = True
+            a.append("FP8-CS as Megatron-Bridge's bf16_with_fp8_current_scaling_mixed: tensorwise recipe, fp8_param_gather")
         else:
             a.append("FP8 recipe not published: delayed scaling, hybrid format assumed (TE default of that era)")
     elif run.precision == "fp16":
