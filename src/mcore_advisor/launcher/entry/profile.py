@@ -593,6 +593,13 @@ class Job:
         dp_cp = d["dp"] * d["cp"]
         distopt = bool(p["use_distributed_optimizer"])
         overlap_grad = bool(p["overlap_grad_reduce"])
+        expert_dp = (d["tp"] * d["pp"] * dp_cp) // max(1, d["etp"] * d["ep"] * d["pp"])
+        if overlap_grad and dp_cp == 1 and expert_dp == 1:
+            # Nothing is reduced across data-parallel ranks: the overlap machinery (per-parameter
+            # backward hooks, buckets) would only cost host time on every micro-batch.
+            overlap_grad = False
+            self.notes.append("data-parallel size 1: overlap_grad_reduce / overlap_param_gather have nothing "
+                              "to overlap and are off (their hooks only cost host time)")
         overlap_param = bool(p["overlap_param_gather"]) and distopt and overlap_grad
         # Megatron-LM arguments.py: --align-param-gather (default on) is reset to off unless the
         # schedule is interleaved; get_model passes it into the DDP config.
