@@ -42,6 +42,9 @@ from mcore_advisor.schemas import (
 )
 from mcore_advisor.tools.memory import memory_breakdown
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _probe import probe_plan  # noqa: E402  (benchmarks/ is not a package)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SHARED = ROOT.parent / "shared"
@@ -61,22 +64,9 @@ def _h200_rows() -> list[tuple[str, str, Plan, float]]:
             continue
         r = json.loads(line)
         m = r["model"]
-        full = r["recompute"] == "full"
         attn = "unfused" if "unfused" in r["core_attention"] else "flash"
-        plan = Plan(
-            model=ModelSpec(num_layers=m["num_layers"], hidden_size=m["hidden_size"], num_attention_heads=m["num_attention_heads"],
-                            ffn_hidden_size=m["ffn_hidden_size"], vocab_size=m["padded_vocab_size"], swiglu=False,
-                            normalization="LayerNorm", add_bias_linear=True, untie_embeddings_and_output_weights=True,
-                            position_embedding_type="rope"),
-            cluster=ClusterSpec(gpu="h200", num_gpus=1),
-            training=TrainingSpec(seq_length=m["seq_length"], global_batch_size=r["global_batch_size"],
-                                  micro_batch_size=r["micro_batch_size"]),
-            parallelism=ParallelismSpec(use_distributed_optimizer=False, recompute_granularity="full" if full else None,
-                                        recompute_method="uniform" if full else None,
-                                        recompute_num_layers=1 if full else None),
-            implementation=ImplementationSpec(transformer_impl="local", attention_backend=attn, grad_reduce_in_fp32=True,
-                                              cross_entropy_loss_fusion=False),
-        )
+        plan = probe_plan(m, r["micro_batch_size"], r["global_batch_size"], m["seq_length"], impl="local",
+                          attn="local" if attn == "unfused" else "auto", recompute=r["recompute"])
         label = f"H200 L{m['num_layers']} h{m['hidden_size']} s{m['seq_length']} mbs{r['micro_batch_size']} {attn} recompute={r['recompute']}"
         out.append((label, "device-measurements-h200.jsonl", plan, float(r["peak_allocated_gib"])))
         RESERVED[label] = float(r["peak_reserved_gib"])

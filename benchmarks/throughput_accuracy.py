@@ -26,15 +26,13 @@ from pathlib import Path
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.knowledge.runs import plan_for_run, published_runs
 from mcore_advisor.schemas import (
-    ClusterSpec,
-    ImplementationSpec,
-    ModelSpec,
-    ParallelismSpec,
     Plan,
-    TrainingSpec,
 )
 from mcore_advisor.tools.flops import flops_per_iteration
 from mcore_advisor.tools.perf import PerfEstimate, step_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _probe import probe_plan  # noqa: E402  (benchmarks/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -114,26 +112,6 @@ def published_cases() -> tuple[list[Case], list[str]]:
     return cases, skipped
 
 
-def _probe_plan(model: dict, mbs: int, gbs: int, s: int, *, impl: str, attn: str, recompute: str | None,
-                precision: str = "bf16", tp: int = 1, n: int = 1) -> Plan:
-    rc = {} if not recompute or recompute == "none" else (
-        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} if recompute == "full"
-        else {"recompute_granularity": recompute})
-    return Plan(
-        model=ModelSpec(num_layers=model["num_layers"], hidden_size=model["hidden_size"], num_attention_heads=model["num_attention_heads"],
-                        ffn_hidden_size=model["ffn_hidden_size"], vocab_size=model["padded_vocab_size"], swiglu=False,
-                        normalization="LayerNorm", add_bias_linear=True, untie_embeddings_and_output_weights=True,
-                        position_embedding_type="rope"),
-        cluster=ClusterSpec(gpu="h200", num_gpus=n),
-        training=TrainingSpec(seq_length=s, global_batch_size=gbs, micro_batch_size=mbs, precision=precision),
-        # The probe and pretrain_gpt.py runs: DDP without overlap, no distributed optimizer,
-        # Megatron's default unfused cross entropy.
-        parallelism=ParallelismSpec(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, use_distributed_optimizer=False,
-                                    overlap_grad_reduce=False, overlap_param_gather=False, **rc),
-        implementation=ImplementationSpec(transformer_impl=impl, attention_backend=attn, cross_entropy_loss_fusion=False),
-    )
-
-
 def device_cases() -> list[Case]:
     out = []
     if DEVICE_JSONL.exists():
@@ -142,7 +120,7 @@ def device_cases() -> list[Case]:
             sdpa = "SDPA" in r["core_attention"]
             # As the project's launcher maps them: local spec + 'auto' = torch SDPA swapped in (torch
             # picks the kernel), local spec + 'local' = Megatron's unfused DotProductAttention.
-            plan = _probe_plan(r["model"], r["micro_batch_size"], r["global_batch_size"], r["model"]["seq_length"],
+            plan = probe_plan(r["model"], r["micro_batch_size"], r["global_batch_size"], r["model"]["seq_length"],
                                impl="local", attn="auto" if sdpa else "local", recompute=r["recompute"])
             label = f"H200_PROBE#{i} {r['params'] / 1e9:.1f}B mbs{r['micro_batch_size']} s{r['model']['seq_length']} {'sdpa' if sdpa else 'unfused'} rc={r['recompute']}"
             out.append(Case(label, plan, r["tokens_per_s_per_gpu"], "tokens/s (measured)", [r["core_attention"]]))
@@ -158,7 +136,7 @@ def device_cases() -> list[Case]:
         ("TE 2.7B TP2+SP mbs8 gbs64 (2 GPUs)", m27, 8, 64, "bf16", 2, 2.612, "transformer_engine", "auto"),
     ]
     for label, model, mbs, gbs, prec, tp, it, impl, attn in te_rows:
-        plan = _probe_plan(model, mbs, gbs, 2048, impl=impl, attn=attn, recompute=None, precision=prec, tp=tp, n=tp)
+        plan = probe_plan(model, mbs, gbs, 2048, impl=impl, attn=attn, recompute=None, precision=prec, tp=tp, n=tp)
         out.append(Case(f"H200_PRETRAIN_GPT {label}", plan, gbs * 2048 / it / tp, "iteration time (TE-on-gpu.md)",
                         ["Megatron-LM pretrain_gpt.py, --no-gradient-accumulation-fusion (no Apex)"]))
     return out

@@ -202,7 +202,7 @@ def _candidates(plan: Plan, shape: ModelShape, purpose: Literal["speed", "memory
     if im.attention_backend in ("unfused", "local") or im.transformer_impl == "local":
         if im.transformer_impl == "local":
             yield ch("implementation", transformer_impl="transformer_engine", attention_backend="flash",
-                     caveat="needs Transformer Engine installed (the local spec cannot use flash attention)")
+                     caveat="needs Transformer Engine installed (its fused LayerNorm-linear, activation and cuDNN attention kernels)")
         else:
             yield ch("implementation", attention_backend="flash")
     if purpose == "speed" and t.precision == "bf16" and g.fp8_dense_tflops and im.transformer_impl == "transformer_engine":
