@@ -51,7 +51,7 @@ class Running:
 
 
 def launch(row: dict, gpus: list[int], work_root: Path, port: int, device: str = "cuda") -> tuple[subprocess.Popen, Path]:
-    work = work_root / row["name"]
+    work = work_root / (row["name"] + (f"_gpu{row['pin']}" if "pin" in row else ""))
     if work.exists():
         shutil.rmtree(work)
     (work / "out").mkdir(parents=True)
@@ -102,6 +102,7 @@ def collect(r: Running, rc: int | None, timed_out: bool, git_state: str) -> dict
         "train_log": train_log,
         "stdout_tail": tail if status != "ok" else tail[-5:],
         "git_state": git_state,
+        "work_dir": r.work.name,
     }
 
 
@@ -115,6 +116,8 @@ def main() -> int:
     ap.add_argument("--run-timeout-s", type=float, default=240.0)
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--solo", default="", help="runs to execute with no other run beside them")
+    ap.add_argument("--each-gpu", default="",
+                    help="one-GPU runs to repeat alone on every GPU in turn (GPUs of one machine differ by ~2%% in matmul rate)")
     ap.add_argument("--work", default="/tmp/mcore_runs")
     ap.add_argument("--device", default="cuda", help="cpu: dry run of the runner itself")
     ap.add_argument("--traces", default="", help="runs whose rank-0 trace comes back (default: none)")
@@ -127,6 +130,15 @@ def main() -> int:
     groups = [x for x in a.groups.split(",") if x]
     solo = set(x for x in a.solo.split(",") if x)
     queue = load_specs(Path(a.specs), names, groups)
+    each_gpu = set(x for x in a.each_gpu.split(",") if x)
+    expanded = []
+    for row in queue:
+        if row["name"] in each_gpu and row["nproc"] == 1:
+            expanded.extend({**row, "pin": g} for g in range(a.gpus))
+            solo.add(row["name"])
+        else:
+            expanded.append(row)
+    queue = expanded
     git_file = HERE / "git_state.txt"
     git_state = git_file.read_text().strip() if git_file.exists() else "unknown"
     t_start = time.time()
@@ -184,7 +196,15 @@ def main() -> int:
             time.sleep(0.5)
             continue
         queue.pop(0)
-        gpus = [free.pop(0) for _ in range(need)]
+        if "pin" in row:
+            if row["pin"] not in free:
+                reap(block=False)
+                time.sleep(0.5)
+                continue
+            free.remove(row["pin"])
+            gpus = [row["pin"]]
+        else:
+            gpus = [free.pop(0) for _ in range(need)]
         port += 1
         proc, work = launch(row, gpus, work_root, port, a.device)
         peers = [r.row["name"] for r in running]
@@ -199,20 +219,20 @@ def main() -> int:
 
     with tarfile.open(out / "logs.tar.gz", "w:gz") as tf:
         for d in done:
-            w = work_root / d["name"]
+            w = work_root / d["work_dir"]
             for p in [w / "out" / "train.log", *sorted((w / "out").glob("error*.json"))]:
                 if p.exists():
-                    tf.add(p, arcname=f"{d['name']}/{p.name}")
+                    tf.add(p, arcname=f"{d['work_dir']}/{p.name}")
             lines = (w / "stdout.log").read_text(errors="replace").splitlines()[-300:]
             data = ("\n".join(lines) + "\n").encode()
-            info = tarfile.TarInfo(f"{d['name']}/stdout_tail.log")
+            info = tarfile.TarInfo(f"{d['work_dir']}/stdout_tail.log")
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
     want = [x for x in a.traces.split(",") if x]
     if want:
         budget = 15 * 2**20
         with tarfile.open(out / "traces.tar", "w") as tf:
-            for name in want:
+            for name in [d["work_dir"] for d in done if d["name"] in want]:
                 p = work_root / name / "out" / "trace_rank0.json"
                 if not p.exists():
                     continue
