@@ -27,6 +27,9 @@ TARGETS = {
     "t_gpt1.3b_te_fp8_mbs8": ("tflops_per_gpu_causal", 657.0),
     "t_gpt2.7b_te_tp2sp_mbs8": ("tflops_per_gpu_causal", 417.0),
     "t_gpt1.3b_sdpa_mbs8": ("tflops_per_gpu_full", 441.0),
+    "t_gpt1.3b_te_bf16_mbs8_nogaf": ("tflops_per_gpu_causal", 507.0),
+    "t_gpt1.3b_te_fp8_mbs8_nogaf": ("tflops_per_gpu_causal", 657.0),
+    "t_gpt2.7b_te_tp2sp_mbs8_nogaf": ("tflops_per_gpu_causal", 417.0),
 }
 
 

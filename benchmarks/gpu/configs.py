@@ -38,6 +38,7 @@ MOE = {
 # Megatron-LM's command-line defaults (no distributed optimizer, no overlap), as the published
 # pretrain_gpt.py runs of TE-on-gpu.md used.
 MLM_DEFAULT_DDP = {"use_distributed_optimizer": False, "overlap_grad_reduce": False, "overlap_param_gather": False}
+NO_GAF = {"gradient_accumulation_fusion": False}
 LOCAL_SDPA = {"transformer_impl": "local", "attention_backend": "auto"}
 LOCAL_UNFUSED = {"transformer_impl": "local", "attention_backend": "unfused"}
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
@@ -66,6 +67,11 @@ def runs() -> list[tuple[str, str, Plan, dict]]:
         ("t_gpt1.3b_te_fp8_mbs8", "target", plan(GPT13, mbs=8, par=MLM_DEFAULT_DDP, train={"precision": "fp8", "fp8_format": "hybrid"}), prof),
         ("t_gpt2.7b_te_tp2sp_mbs8", "target", plan(GPT27, gpus=2, gbs=64, mbs=8, par={**MLM_DEFAULT_DDP, "tensor_model_parallel_size": 2, "sequence_parallel": True}), prof),
         ("t_gpt1.3b_sdpa_mbs8", "target", plan(GPT13, mbs=8, par=MLM_DEFAULT_DDP, impl=LOCAL_SDPA), prof),
+        # Like-for-like with Megatron-LM's reference runs, which had no Apex and so passed
+        # --no-gradient-accumulation-fusion (the rows above let TE accumulate wgrad in the GEMM).
+        ("t_gpt1.3b_te_bf16_mbs8_nogaf", "target", plan(GPT13, mbs=8, par=MLM_DEFAULT_DDP, impl=NO_GAF), prof),
+        ("t_gpt1.3b_te_fp8_mbs8_nogaf", "target", plan(GPT13, mbs=8, par=MLM_DEFAULT_DDP, impl=NO_GAF, train={"precision": "fp8", "fp8_format": "hybrid"}), prof),
+        ("t_gpt2.7b_te_tp2sp_mbs8_nogaf", "target", plan(GPT27, gpus=2, gbs=64, mbs=8, impl=NO_GAF, par={**MLM_DEFAULT_DDP, "tensor_model_parallel_size": 2, "sequence_parallel": True}), prof),
         # (b) memory validation sweep
         ("m_gpt1.3b_unfused_mbs4", "memory", plan(GPT13, mbs=4, par=MLM_DEFAULT_DDP, impl=LOCAL_UNFUSED), quick),
         ("m_gpt1.3b_sdpa_mbs8_full", "memory", plan(GPT13, mbs=8, par={**MLM_DEFAULT_DDP, **FULL}, impl=LOCAL_SDPA), quick),

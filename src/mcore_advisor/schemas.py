@@ -117,6 +117,7 @@ class ImplementationSpec(BaseModel):
     moe_grouped_gemm: bool = Field(True, description="Grouped GEMM for the local experts.")
     cross_entropy_loss_fusion: bool = Field(True, description="Fused vocab-parallel cross entropy (--cross-entropy-loss-fusion): fewer kernels; with the 'native' implementation it holds 10 B/logit at the loss (bf16 logits + fp32 copy + torch.compile's out-of-place buffer) vs 6 B unfused.")
     cross_entropy_fusion_impl: Literal["native", "te"] = Field("native", description="--cross-entropy-fusion-impl (with cross_entropy_loss_fusion): 'native' (Megatron's torch.compile'd kernel, 10 B/logit) or 'te' (Transformer Engine's, gradient written into the bf16 logits: 2 B/logit; needs TE).")
+    gradient_accumulation_fusion: bool = Field(True, description="Accumulate weight gradients into the fp32 main_grad inside the wgrad GEMM (Megatron's default; false = --no-gradient-accumulation-fusion). Megatron's own linear layers need Apex's fused_weight_gradient_mlp_cuda for it; Transformer Engine layers do it natively.")
     expandable_segments: bool = Field(False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: far less allocator fragmentation.")
     use_torch_fsdp2: bool = Field(False, description="Megatron-FSDP / torch FSDP2 instead of DDP + distributed optimizer (not modelled in detail).")
 

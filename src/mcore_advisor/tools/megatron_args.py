@@ -232,6 +232,9 @@ def precision_flags(plan: Plan, gradient_accumulation_fusion: bool) -> list[Flag
     if impl.use_torch_fsdp2:
         flags.append(_f("--no-gradient-accumulation-fusion",
                         why="FSDP2: Megatron's validate_args rejects gradient accumulation fusion with --use-torch-fsdp2"))
+    elif not impl.gradient_accumulation_fusion:
+        flags.append(_f("--no-gradient-accumulation-fusion",
+                        why="implementation.gradient_accumulation_fusion false: weight gradients added to main_grad by a separate kernel"))
     elif not gradient_accumulation_fusion:
         flags.append(_f("--no-gradient-accumulation-fusion",
                         why="no Apex: the fused wgrad accumulation needs Apex's fused_weight_gradient_mlp_cuda "

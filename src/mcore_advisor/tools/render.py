@@ -475,7 +475,7 @@ def render_launch_script(request: RenderRequest) -> LaunchArtifact:
     run_dir = req.run_dir or f"runs/{job_name}"
     _check_operand("run_dir", run_dir)
     apex = req.apex_installed if req.apex_installed is not None else req.container_image is not None
-    if req.apex_installed is None and apex:
+    if req.apex_installed is None and apex and plan.implementation.gradient_accumulation_fusion:
         notes.append("gradient accumulation fusion kept: assuming the container image ships Apex (NGC PyTorch "
                      "images have); set apex_installed false if it does not")
     if plan.implementation.attention_backend == "local":

@@ -402,6 +402,9 @@ class Job:
             self.notes.append("moe_token_dispatcher_type 'flex' needs DeepEP; 'alltoall' used")
             dispatcher = "alltoall"
         gelu_bias_ok = m["add_bias_linear"] or m["swiglu"]
+        want_gaf = cuda and bool(impl.get("gradient_accumulation_fusion", True))
+        apex_gaf = want_gaf and _have_apex_wgrad_fusion()
+        self.fuse_te_wgrad = want_gaf and not apex_gaf and self.have_te
         kw = dict(
             num_layers=m["num_layers"],
             hidden_size=m["hidden_size"],
@@ -432,8 +435,10 @@ class Job:
             recompute_method=method,
             recompute_num_layers=nlayers,
             recompute_modules=p["recompute_modules"] if gran == "selective" and p["recompute_modules"] else None,
-            # Megatron's wgrad-accumulation fusion needs Apex's fused_weight_gradient_mlp_cuda.
-            gradient_accumulation_fusion=False,
+            # For Megatron's own linear layers (the output layer under TE) the fusion needs Apex's
+            # fused_weight_gradient_mlp_cuda, and TransformerConfig asks it of every layer: without
+            # Apex the TE layers get it after the build (_fuse_te_wgrad).
+            gradient_accumulation_fusion=apex_gaf,
             # Megatron-LM's defaults on a GPU; its fused kernels are torch.compile'd or TE's.
             bias_activation_fusion=cuda and gelu_bias_ok,
             # Megatron's fused masked softmax (unfused attention only) needs the compiled
@@ -493,7 +498,7 @@ class Job:
             "fp8_recipe": kw.get("fp8_recipe"),
             "moe_grouped_gemm": grouped if experts else None,
             "moe_token_dispatcher_type": dispatcher if experts else None,
-            "gradient_accumulation_fusion": False,
+            "gradient_accumulation_fusion": "all layers" if apex_gaf else ("TE layers" if self.fuse_te_wgrad else False),
             "bias_activation_fusion": kw["bias_activation_fusion"],
             "bias_dropout_fusion": kw["bias_dropout_fusion"],
             "apply_rope_fusion": kw["apply_rope_fusion"],
@@ -614,6 +619,11 @@ class Job:
             # Megatron-LM training.py resolve_ddp_bucket_size: buckets only when overlapping.
             bucket_size=max(40_000_000, 1_000_000 * dp_cp) if overlap_grad else None,
         )
+        if self.fuse_te_wgrad:
+            n = _fuse_te_wgrad(chunks)
+            self.notes.append(f"gradient_accumulation_fusion: {n} Transformer Engine layers accumulate wgrad into main_grad "
+                              "in the GEMM; Megatron's own layers (output layer) add it separately (no Apex "
+                              "fused_weight_gradient_mlp_cuda here)")
         ddp_config = _filtered(DistributedDataParallelConfig, ddp_kw, self.dropped)
         chunks = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
                   for i, c in enumerate(chunks)]
@@ -940,6 +950,28 @@ class Job:
             "gc_source": "Python gc.callbacks inside the timed region of each iteration, worst rank",
             "steal_source": "/proc/stat steal / total jiffies over the measured iterations (all CPUs of the machine)",
         }
+
+
+def _have_apex_wgrad_fusion() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def _fuse_te_wgrad(chunks) -> int:
+    """Turn on Transformer Engine's native wgrad accumulation into `main_grad` (what Megatron's TE
+    wrappers pass as fuse_wgrad_accumulation when gradient_accumulation_fusion is on). TE reads the
+    attribute at every forward; Megatron's DDP skips its own add for parameters that TE marks
+    grad_added_to_main_grad."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    n = 0
+    for c in chunks:
+        for mod in c.modules():
+            if isinstance(mod, TransformerEngineBaseModule) and hasattr(mod, "fuse_wgrad_accumulation"):
+                mod.fuse_wgrad_accumulation = True
+                n += 1
+    return n
 
 
 def _have_fused_softmax() -> bool:
