@@ -1,15 +1,19 @@
-"""Merge what the device calls brought back into benchmarks/results/ (run here, after the calls).
+"""Merge what device calls brought back into benchmarks/results/ (run here, after the calls).
 
-    python3 benchmarks/gpu/collect.py /work/.device/6 /work/.device/10 ...
+    python3 benchmarks/gpu/collect.py --session s2 /work/.device/6 /work/.device/12 ...
 
-Writes gpu_h200_runs.jsonl (issue-7 targets), gpu_memory_sweep.jsonl, gpu_recommend_sweep.jsonl
-(one JSON line per run: plan, measured figures, train.log text, error if any), gpu_h200_env.json,
-gpu_logs/<run>/ (train.log, error.json, output tail), gpu_traces/ (a few rank-0 traces) and
-gpu_h200_summary.md (the table). Figures are copied, never recomputed or extrapolated.
+Appends each call's rows to gpu_h200_runs.jsonl (issue-7 targets), gpu_memory_sweep.jsonl and
+gpu_recommend_sweep.jsonl, tagged `device_call` = SESSION/CALL (call folders are numbered per
+session, so the tag keeps sessions apart; re-merging a call replaces its rows). Adds each call's
+env.json (per-GPU matmul rate) to gpu_h200_env.json, train logs to gpu_logs/SESSION/, a few rank-0
+traces to gpu_traces/, and regenerates gpu_h200_table.md (every run) and gpu_h200_targets.md (the
+issue-7 targets per run, with the GPU's own matmul rate). gpu_h200_summary.md is the hand-kept
+narrative. Figures are copied, never recomputed or extrapolated.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -33,42 +37,34 @@ TARGETS = {
 }
 
 
-NOTES = """
-## Notes (read with the table)
-
-- Device: 2x NVIDIA H200 (143771 MiB, 700 W limit, kernel 6.18.44-fc-v657-gpu), torch 2.11.0+cu130,
-  CUDA 13.0, Python 3.12.3, megatron-core 0.19.2, Transformer Engine 2.20.2 (core cu13 wheel + torch
-  extension built on the machine with NVTE_CUDA_ARCHS=90; reassembly + install + build took 110 s).
-  The Megatron-LM argument check (megatron_args_check.txt) ran in the first call, before TE was installed. Git state of each call: `git_state` in each row
-  (HEAD e56df3d5, working tree dirty: the entry files were not yet committed).
-- Attention kernels seen in the traces: TE picked cuDNN fused attention (cudnn_generated_fort_native_sdpa_sm90_flash_*);
-  torch SDPA in the local spec also ran cuDNN's flash kernels.
-- Targets missed by 1-2 %: FP8 hybrid 646.2 vs 657 and 2.7B TP2+SP 412.5 vs 417 TFLOP/s (causal). No device time was
-  left to investigate or rerun. The 2.7B trace shows 0.31 s/iteration of exposed TP communication (all-gather /
-  reduce-scatter, no TE comm overlap in either run); Megatron-LM's published run was 2612 ms vs our 2639 ms.
-- Small micro-batches are host-bound: GPT 1.3B TE at mbs 4 gives 359 TFLOP/s (Megatron-LM published 463 at mbs 4),
-  mbs 1 gives 116; mbs 8 matches (506.6-510.7 vs 507). 1.3B with TP2(+SP) at mbs 4 is also host-bound (tp2sp trace:
-  696 ms of kernels in a 2476 ms profiled step). Cause not established (candidates: per-micro-batch Python/TE
-  launch cost on this VM's CPUs, the plan-default overlap_grad_reduce hooks, the concurrent run on the other GPU).
-- Sweep runs ran two at a time (one per GPU), see 'ran alongside'; the BF16 1.3B target and all 2-GPU runs ran alone.
-- Not run (device budget spent): m_gqa1.5b_pp2vp2_mbs1, m_gpt1.3b_dp2_nodistopt_mbs4. Failed:
-  m_gpt1.3b_unfused_mbs4 (ModuleNotFoundError: scaled_masked_softmax_cuda: the entry asked for Megatron's fused
-  masked softmax, which needs Apex-built kernels; fixed afterwards in the entry, not re-run on a GPU).
-- No OOM occurred: GPT 1.3B at mbs 16 without recompute peaks at 80.9 GiB of 139 GiB.
-- bf16 8192^3 matmul, two calls: 783.3 / 796.9 and 782.1 / 810.5 TFLOP/s (GPU 0 / GPU 1).
-"""
 
 
-def main(dirs: list[str]) -> None:
-    rows: list[dict] = []
-    env: dict = {}
-    for d in map(Path, dirs):
-        call = d.name
+def _base(work_dir: str) -> str:
+    """Run name of a work folder (runner.py --each-gpu appends _gpuN)."""
+    head, _, tail = work_dir.rpartition("_gpu")
+    return head if head and tail.isdigit() else work_dir
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--session", required=True, help="tag of this session's calls, e.g. s2")
+    ap.add_argument("dirs", nargs="+")
+    a = ap.parse_args(argv)
+    rows = {g: [json.loads(x) for x in (RESULTS / f).read_text().splitlines() if x.strip()] if (RESULTS / f).exists() else []
+            for g, f in FILES.items()}
+    env_path = RESULTS / "gpu_h200_env.json"
+    env: dict = json.loads(env_path.read_text()) if env_path.exists() else {}
+    added = 0
+    for d in map(Path, a.dirs):
+        call = f"{a.session}/{d.name}"
         if (d / "results.jsonl").exists():
-            for line in (d / "results.jsonl").read_text().splitlines():
-                r = json.loads(line)
+            new = [json.loads(x) for x in (d / "results.jsonl").read_text().splitlines() if x.strip()]
+            for g in rows:
+                rows[g] = [r for r in rows[g] if r.get("device_call") != call]
+            for r in new:
                 r["device_call"] = call
-                rows.append(r)
+                rows[r["group"]].append(r)
+                added += 1
         if (d / "env.json").exists():
             env[f"call_{call}"] = json.loads((d / "env.json").read_text())
         for extra in ("te_build.log", "setup.log"):
@@ -76,37 +72,92 @@ def main(dirs: list[str]) -> None:
                 env.setdefault("logs", {})[f"{call}/{extra}"] = (d / extra).read_text()[-3000:]
         if (d / "megatron_args_check.txt").exists():
             shutil.copy(d / "megatron_args_check.txt", RESULTS / "megatron_args_check.txt")
-        logs = RESULTS / "gpu_logs"
         if (d / "logs.tar.gz").exists():
             with tarfile.open(d / "logs.tar.gz") as tf:
-                tf.extractall(logs, filter="data")
+                tf.extractall(RESULTS / "gpu_logs" / a.session, filter="data")
         if (d / "traces.tar").exists():
             with tarfile.open(d / "traces.tar") as tf:
                 for m in tf.getmembers():
-                    if m.name.split(".trace_rank0")[0] in KEEP_TRACES:
+                    work = m.name.split(".trace_rank0")[0]
+                    if _base(work) in KEEP_TRACES:
+                        m.name = f"{a.session}_{d.name}_{m.name}"
                         tf.extract(m, RESULTS / "gpu_traces", filter="data")
-    for group, fname in FILES.items():
-        with open(RESULTS / fname, "w") as f:
-            for r in rows:
-                if r["group"] == group:
-                    f.write(json.dumps(r) + "\n")
-    (RESULTS / "gpu_h200_env.json").write_text(json.dumps(env, indent=1))
-    (RESULTS / "gpu_h200_summary.md").write_text(summary(rows, env))
-    print(f"{len(rows)} runs merged")
+    for g, fname in FILES.items():
+        (RESULTS / fname).write_text("".join(json.dumps(r) + "\n" for r in rows[g]))
+    env_path.write_text(json.dumps(env, indent=1))
+    every = [r for g in FILES for r in rows[g]]
+    (RESULTS / "gpu_h200_table.md").write_text(table(every))
+    (RESULTS / "gpu_h200_targets.md").write_text(targets(rows["target"], env))
+    print(f"{added} runs merged")
 
 
-def summary(rows: list[dict], env: dict) -> str:
+def _matmul(env: dict, call: str, gpu: int) -> float | None:
+    for m in (env.get(f"call_{call}") or {}).get("matmul", []):
+        if m.get("gpu") == gpu:
+            return m.get("bf16_8192_matmul_tflops")
+    return None
+
+
+def _machine_env(env: dict, call: str) -> str | None:
+    """The env call of the same machine: the latest env call of the session at or before this one."""
+    sess, _, num = call.rpartition("/")
+    best = None
+    for k in env:
+        if not k.startswith(f"call_{sess}/"):
+            continue
+        n = k.rsplit("/", 1)[1]
+        if n.isdigit() and num.isdigit() and int(n) <= int(num) and (best is None or int(n) > int(best.rsplit("/", 1)[1])):
+            best = k
+    return best[len("call_"):] if best else None
+
+
+def targets(rows: list[dict], env: dict) -> str:
     lines = [
-        "# GPU evidence: H200 runs of the profile entry point",
+        "# Issue-7 targets: every measured run",
         "",
-        "Every figure below was measured by `python -m mcore_advisor.launcher.entry.profile` on an",
-        "`nvidia-h200-x2` device machine (per-row device, versions and git state in the JSONL files).",
+        "Megatron-LM pretrain_gpt.py on an H200 (shared reference TE-on-gpu.md; no Apex, so",
+        "--no-gradient-accumulation-fusion) and the SDPA probe (device-measurements-h200.jsonl) set the targets.",
+        "`_nogaf` rows are like-for-like with those runs; the others use the plan default",
+        "gradient_accumulation_fusion (TE layers accumulate wgrad into main_grad in the GEMM).",
+        "matmul = that GPU's bf16 8192^3 rate measured on the same machine (calls of one machine share a session",
+        "tag and the env call before them); GPUs of one machine differed by up to 2%.",
+        "",
+        "| call | run | GPU(s) | matmul TFLOP/s | grad-acc fusion | iter_s (median of n) | TFLOP/s | target | verdict | git |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = r["name"]
+        if name not in TARGETS:
+            continue
+        key, want = TARGETS[name]
+        res = r.get("result") or {}
+        got = res.get(key)
+        call = str(r.get("device_call", "?"))
+        mcall = _machine_env(env, call) if "/" in call else f"{call}" if f"call_{call}" in env else None
+        mm = [_matmul(env, mcall, g) for g in r.get("gpus", [])] if mcall else []
+        mm_s = ", ".join(f"{x:.0f}" for x in mm if x) or "-"
+        gaf = (res.get("settings") or {}).get("gradient_accumulation_fusion")
+        n = len(res.get("measured_step_times_s") or [])
+        verdict = "-" if got is None else ("met" if got >= want else f"short {100 * (got / want - 1):+.1f}%")
+        git = (r.get("git_state") or "?").split()[0][:8]
+        conv = "causal" if key.endswith("causal") else "full"
+        lines.append(f"| {call} | {name} | {','.join(map(str, r.get('gpus', [])))} | {mm_s} | {gaf or 'off'} | "
+                     f"{res.get('iter_s', float('nan')):.4f} ({n}) | {got if got is None else round(got, 1)} {conv} | {want} | {verdict} | {git} |")
+    return "\n".join(lines) + "\n"
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "# GPU evidence: every H200 run of the profile entry point",
+        "",
+        "Measured by `python -m mcore_advisor.launcher.entry.profile` on `nvidia-h200-x2` device machines",
+        "(per-row device, versions and git state in the JSONL files; `call` = session/device call).",
         "iter_s = median of the measured iterations; TFLOP/s per GPU in Megatron's causal convention and",
         "the full-s^2 convention; peak memory = torch.cuda max_memory_allocated / max_memory_reserved per rank.",
         "'ran alongside' = another one-GPU run on the other GPU at the same time.",
         "",
-        "| run | group | GPUs | status | iter_s | TFLOP/s causal | TFLOP/s full | MFU causal % | peak alloc GiB | peak reserved GiB | exposed comm s | ran alongside |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| call | run | group | GPUs | status | iter_s | TFLOP/s causal | TFLOP/s full | MFU causal % | peak alloc GiB | peak reserved GiB | exposed comm s | ran alongside |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         res = r.get("result") or {}
@@ -120,22 +171,12 @@ def summary(rows: list[dict], env: dict) -> str:
 
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r.get('error') or {}).get('error_type', '')}"
         lines.append(
-            f"| {r['name']} | {r['group']} | {r['nproc']} | {status} | {f('iter_s', '{:.3f}')} | {f('tflops_per_gpu_causal')} | "
-            f"{f('tflops_per_gpu_full')} | {f('mfu_pct_causal')} | {mem('peak_allocated_gib')} | {mem('peak_reserved_gib')} | "
-            f"{f('exposed_comm_s', '{:.3f}')} | {', '.join(r.get('ran_alongside') or []) or '-'} |"
+            f"| {r.get('device_call', '?')} | {r['name']} | {r['group']} | {','.join(map(str, r.get('gpus', [])))} | {status} | "
+            f"{f('iter_s', '{:.3f}')} | {f('tflops_per_gpu_causal')} | {f('tflops_per_gpu_full')} | {f('mfu_pct_causal')} | "
+            f"{mem('peak_allocated_gib')} | {mem('peak_reserved_gib')} | {f('exposed_comm_s', '{:.3f}')} | "
+            f"{', '.join(r.get('ran_alongside') or []) or '-'} |"
         )
-    lines += ["", "## Issue-7 targets", ""]
-    by = {r["name"]: r for r in rows}
-    for name, (key, want) in TARGETS.items():
-        r = by.get(name)
-        got = (r.get("result") or {}).get(key) if r else None
-        verdict = "not run" if got is None else ("met" if got >= want else f"NOT met ({100 * (got / want - 1):+.1f}%)")
-        lines.append(f"- {name}: {key} = {got if got is None else round(got, 1)} vs target {want}: {verdict}")
-    mm = [m for v in env.values() if isinstance(v, dict) for m in v.get("matmul", [])]
-    if mm:
-        lines += ["", "## bf16 8192^3 matmul (random data, mean of 20 after 3 warm-ups)", ""]
-        lines += [f"- GPU {m['gpu']} {m['name']}: {m['bf16_8192_matmul_tflops']} TFLOP/s" for m in mm]
-    return "\n".join(lines) + "\n" + NOTES
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

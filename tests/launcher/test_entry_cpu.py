@@ -98,6 +98,8 @@ def test_tiny_gpt_world_size_1_reports_times_memory_log_and_trace(tmp_path):
     assert r["settings"]["overlap_grad_reduce"] is False
     assert any("data-parallel size 1" in n for n in r["notes"])
     assert r["settings"]["align_param_gather"] is False
+    # The wgrad-accumulation fusion needs CUDA kernels (TE's GEMM or Apex's); on CPU it is off.
+    assert r["settings"]["gradient_accumulation_fusion"] is False
     host = r["host"]
     assert len(host["gc_pause_s_per_iteration"]) == 3 and all(x >= 0 for x in host["gc_pause_s_per_iteration"])
     assert len(host["gc_gen2_collections_per_iteration"]) == 3

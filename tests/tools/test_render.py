@@ -146,6 +146,16 @@ def test_gradient_accumulation_fusion_is_disabled_without_apex_and_kept_in_conta
                                                           container_image="img").megatron_args
 
 
+def test_gradient_accumulation_fusion_off_in_the_plan_is_passed_even_with_apex():
+    plan = DENSE.model_copy(update={"implementation": DENSE.implementation.model_copy(update={
+        "gradient_accumulation_fusion": False})})
+    art = _render(plan, launcher="slurm", container_image="nvcr.io#nvidia/pytorch:25.01-py3")
+    assert art.megatron_args.count("--no-gradient-accumulation-fusion") == 1
+    assert not any("gradient accumulation fusion kept" in n for n in art.notes)
+    # The plan default keeps Megatron's default (fusion on) where Apex is present.
+    assert DENSE.implementation.gradient_accumulation_fusion is True
+
+
 def test_real_data_checkpoints_and_profiling_options_map_to_megatron_flags():
     art = _render(data_path=["0.7", "/data/a b_text_document", "0.3", "/data/c_text_document"],
                   tokenizer_type="HuggingFaceTokenizer", tokenizer_model="meta-llama/Meta-Llama-3-8B",
