@@ -1,7 +1,9 @@
 """The plan of a device-probe run (shared/data/device-measurements-h200.jsonl, TE-on-gpu.md rows).
 
 Those runs: Megatron's GPT with RoPE, LayerNorm, GeLU 4h MLP, biases, untied embeddings, DDP without
-overlap, no distributed optimizer, Megatron's default unfused cross entropy, one H200 per TP rank.
+overlap, no distributed optimizer, Megatron's default unfused cross entropy, no wgrad-accumulation
+fusion (TransformerConfig's default in the probe; --no-gradient-accumulation-fusion without Apex in
+pretrain_gpt), one H200 per TP rank.
 Shared by the accuracy benchmarks so both model the same runs the same way.
 """
 
@@ -36,5 +38,6 @@ def probe_plan(model: dict, mbs: int, gbs: int, s: int, *, impl: str, attn: str,
         training=TrainingSpec(seq_length=s, global_batch_size=gbs, micro_batch_size=mbs, precision=precision),
         parallelism=ParallelismSpec(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, use_distributed_optimizer=False,
                                     overlap_grad_reduce=False, overlap_param_gather=False, **rc),
-        implementation=ImplementationSpec(transformer_impl=impl, attention_backend=attn, cross_entropy_loss_fusion=False),
+        implementation=ImplementationSpec(transformer_impl=impl, attention_backend=attn, cross_entropy_loss_fusion=False,
+                                          gradient_accumulation_fusion=False),
     )

@@ -67,6 +67,8 @@ def test_arguments_dump_becomes_a_plan_with_the_run_layout():
     assert plan.parallelism.use_distributed_optimizer is False and plan.parallelism.recompute_granularity is None
     assert plan.implementation.transformer_impl == "local" and plan.implementation.attention_backend == "local"
     assert plan.implementation.grad_reduce_in_fp32 is True
+    # the run passed --no-gradient-accumulation-fusion (no Apex on the machine)
+    assert plan.implementation.gradient_accumulation_fusion is False
 
 
 def test_arguments_dump_without_the_model_shape_names_the_missing_argument():

@@ -241,6 +241,24 @@ def test_pipeline_bubble_is_decomposed_and_interleaving_is_proposed():
     assert d.fixes[-1].fields == ["implementation.grad_reduce_in_fp32"] or all(f in ranked for f in d.fixes)
 
 
+def test_the_log_s_missing_wgrad_accumulation_fusion_is_offered_back_with_the_apex_caveat():
+    # 16 micro-batches of 2 x 2048 tokens on one H100: the per-micro-batch main_grad add is a few %
+    plan = Plan(model=ModelSpec(name="gpt3-1.3b"), cluster=ClusterSpec(gpu="h100-sxm", num_gpus=1),
+                training=TrainingSpec(seq_length=2048, global_batch_size=32, micro_batch_size=2),
+                parallelism=ParallelismSpec(use_distributed_optimizer=False),
+                implementation=ImplementationSpec(gradient_accumulation_fusion=False))
+    fused = plan.model_copy(update={"implementation": plan.implementation.model_copy(update={"gradient_accumulation_fusion": True})})
+    t, t_fused = step_time(plan).iteration_time_s, step_time(fused).iteration_time_s
+    r = check_mfu(MfuRequest(plan=plan, iteration_time_s=t))
+    fix = next(f for f in r.diagnosis.fixes if f.fields == ["implementation.gradient_accumulation_fusion"])
+    assert fix.predicted_throughput_change_pct == pytest.approx(100 * (t / t_fused - 1), rel=1e-6)
+    assert 1.0 < fix.predicted_throughput_change_pct < 10.0
+    assert "Apex" in (fix.caveat or "")
+    # and a log of a run that passed --no-gradient-accumulation-fusion yields such a plan
+    logged = check_mfu(MfuRequest(log_text=_log("megatron_0_19_gpt1p3b_te_mbs4_h200.log"), gpu="h200", diagnose=False))
+    assert logged.plan.implementation.gradient_accumulation_fusion is False
+
+
 def test_spiky_iteration_times_point_at_stalls():
     base = _log("megatron_0_19_gpt1p3b_te_mbs4_h200.log").splitlines()
     spiky = [ln.replace("elapsed time per iteration (ms): 1169.8", "elapsed time per iteration (ms): 2400.0")

@@ -288,3 +288,41 @@ def test_the_host_floor_is_the_catalogs_unless_the_cluster_overrides_it():
     slow_host = h100.model_copy(update={"cluster": h100.cluster.model_copy(update={"host_floor_ms_per_layer": 6.1})})
     assert step_time(slow_host).breakdown.host_bound_s > 0
     assert step_time(slow_host).iteration_time_s > step_time(h100).iteration_time_s
+
+
+# A GPT-3-2.7B-like layer (32 heads of 80) and the same with heads of 128: attention kernels pad.
+def _heads(d: int) -> dict:
+    return dict(num_layers=4, hidden_size=32 * d, num_attention_heads=32, vocab_size=128, swiglu=False,
+                normalization="LayerNorm", add_bias_linear=True, position_embedding_type="rope",
+                ffn_hidden_size=10240)
+
+
+def test_fused_attention_times_a_head_dim_of_80_as_128_and_flash_as_96():
+    kw = dict(gpu="h200", num_gpus=1, s=2048, gbs=8, mbs=8)
+    te80 = step_time(_plan(_heads(80), **kw)).breakdown.attention_s
+    te128 = step_time(_plan(_heads(128), **kw)).breakdown.attention_s
+    assert te80 == pytest.approx(te128, rel=1e-6)  # cuDNN fused kernels: tiles of 64 up to 128
+    sdpa = dict(transformer_impl="local", attention_backend="auto")
+    fl80 = step_time(_plan(_heads(80), impl=sdpa, **kw)).breakdown.attention_s
+    fl128 = step_time(_plan(_heads(128), impl=sdpa, **kw)).breakdown.attention_s
+    # FlashAttention-2 / torch SDPA: multiples of 32, so 80 runs as 96; the launch constant is tiny
+    assert fl80 / fl128 == pytest.approx(96 / 128, rel=1e-3)
+
+
+def test_unfused_weight_gradient_accumulation_costs_a_streaming_add_per_weight():
+    kw = dict(gpu="h200", num_gpus=1, s=2048, gbs=32, mbs=8)
+    fused = step_time(_plan("gpt3-1.3b", **kw))
+    unfused = step_time(_plan("gpt3-1.3b", impl=dict(gradient_accumulation_fusion=False), **kw))
+    hw = hardware_params(ClusterSpec(gpu="h200", num_gpus=1))
+    shape = resolve_model(ModelSpec(name="gpt3-1.3b"))
+    h, f, L = shape.hidden_size, shape.ffn_hidden_size, shape.num_layers
+    V = -(-shape.vocab_size // 128) * 128
+    weights = L * (4 * h * h + 2 * h * f) + V * h  # qkv + proj + fc1 + fc2 per layer, output layer
+    bw = hw.hbm_bandwidth_gbps * 1e9
+    # unfused: bf16 grad + fp32 main_grad read, main_grad written (10 B at elementwise bandwidth);
+    # fused: the wgrad GEMM reads 4 B and writes 4 B instead of 2 B, half of it exposed (3 B)
+    # plus one add kernel per weight tensor (4 per layer + the output layer)
+    per_mb = weights * 10.0 / (bw * hw.elementwise_fraction) - weights * 3.0 / bw + (4 * L + 1) * perf.KERNEL_LAUNCH_S
+    extra = unfused.breakdown.elementwise_s - fused.breakdown.elementwise_s
+    assert extra == pytest.approx(4 * per_mb, rel=1e-3)  # 4 micro-batches
+    assert unfused.tokens_per_s_per_gpu < fused.tokens_per_s_per_gpu

@@ -207,6 +207,10 @@ def _candidates(plan: Plan, shape: ModelShape, purpose: Literal["speed", "memory
             yield ch("implementation", attention_backend="flash")
     if purpose == "speed" and t.precision == "bf16" and g.fp8_dense_tflops and im.transformer_impl == "transformer_engine":
         yield ch("training", precision="fp8", caveat="changes numerics: validate the loss curve against bf16 first")
+    if purpose == "speed" and not im.gradient_accumulation_fusion and not im.use_torch_fsdp2:
+        yield ch("implementation", gradient_accumulation_fusion=True,
+                 caveat="Megatron's own linear layers need Apex's fused_weight_gradient_mlp_cuda (NGC images ship it); "
+                        "Transformer Engine layers accumulate into main_grad natively")
     if purpose == "memory" and not im.expandable_segments:
         yield ch("implementation", expandable_segments=True, caveat="environment variable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; not with CUDA graphs in older PyTorch")
     if im.grad_reduce_in_fp32:

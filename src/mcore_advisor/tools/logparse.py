@@ -1096,7 +1096,7 @@ def plan_from_megatron_args(
     disp = _arg(args, "moe_token_dispatcher_type")
     if disp in ("allgather", "alltoall", "flex"):
         impl["moe_token_dispatcher_type"] = disp
-    for k in ("moe_grouped_gemm", "cross_entropy_loss_fusion", "use_torch_fsdp2"):
+    for k in ("moe_grouped_gemm", "cross_entropy_loss_fusion", "use_torch_fsdp2", "gradient_accumulation_fusion"):
         v = _arg_bool(args, k)
         if v is not None:
             impl[k] = v

@@ -121,6 +121,17 @@ s=2048, 413-437 at 4096, 430-483 at 8192, 528 at 16384. attention_backend 'flash
 FlashAttention backend, FlashAttention-2 unless FA3 is installed) runs at FLASH2_RELATIVE_RATE of
 that: torch's flash backend measured 195-313 TFLOP/s on the same 9 shapes (0.55-0.62x cuDNN)."""
 
+ATTENTION_HEAD_DIM_TILE = 64.0
+ATTENTION_MIN_PADDED_HEAD_DIM = 128.0
+"""The fused kernels compute in head-dim tiles: a head dim between 64 and 128 costs as 128 (H200,
+TE 2.20 cuDNN fused attention, GPT 2.7B TP2 trace: head dim 80 with 16 local heads took 1.10 ms per
+layer and micro-batch where the 1.3B's head dim 128 with 16 heads and the same b, s took 1.16 ms, not
+the 0.73 ms its FLOPs would give); above 128 the dim rounds up to a multiple of 64 (192 for MLA).
+FlashAttention-2 kernels (attention_backend 'flash', torch SDPA in the local spec) are built for
+multiples of 32 (FLASH_HEAD_DIM_TILE): the same head dim 80 through torch SDPA on the H200 probe ran at
+the rate of its own FLOPs (2.7B mbs 8 row within 1% before any padding was modelled)."""
+FLASH_HEAD_DIM_TILE = 32.0
+
 UNFUSED_LOCAL_BYTES_PER_SCORE = 108.0
 """Megatron local-spec DotProductAttention without the compiled masked-softmax kernel (baddbmm ->
 .float() -> masked_fill -> softmax -> bf16 -> bmm, and backward): HBM bytes per score element
@@ -320,6 +331,31 @@ class PerfEstimate(BaseModel):
 _TILES = ((128, 256), (256, 128), (128, 128))
 
 
+def _attention_kernel_dim(d: float, flash: bool = False) -> float:
+    """Head dim the fused attention kernels are timed at (ATTENTION_HEAD_DIM_TILE)."""
+    if flash:
+        return float(np.ceil(d / FLASH_HEAD_DIM_TILE) * FLASH_HEAD_DIM_TILE)
+    if d <= ATTENTION_HEAD_DIM_TILE:
+        return ATTENTION_HEAD_DIM_TILE
+    if d <= ATTENTION_MIN_PADDED_HEAD_DIM:
+        return ATTENTION_MIN_PADDED_HEAD_DIM
+    return float(np.ceil(d / ATTENTION_HEAD_DIM_TILE) * ATTENTION_HEAD_DIM_TILE)
+
+
+def _wgrad_accumulation_s(weights, n_tensors, impl: _Impl, bw, bw_ew):
+    """Adding one micro-batch's weight gradients into main_grad (fp32 with grad_reduce_in_fp32).
+
+    Fused (gradient_accumulation_fusion: TE layers natively, Megatron's own with Apex): the wgrad GEMM
+    reads and writes main_grad in its epilogue instead of writing a bf16 gradient, the exposed part
+    of the extra bytes at GEMM_EPILOGUE_EXPOSED. Unfused: a separate add per weight reads the bf16
+    gradient and main_grad and writes main_grad (the H200 bf16 1.3B trace: 24.8 ms of fp32 adds per
+    4-micro-batch iteration; fusion measured +0.7% to +1.4% tokens/s there, +1.2% on 2.7B TP2+SP)."""
+    mg = 4.0 if impl.grad_reduce_in_fp32 else 2.0
+    if impl.grad_acc_fusion:
+        return GEMM_EPILOGUE_EXPOSED * (2.0 * mg - 2.0) * weights / bw
+    return weights * (2.0 + 2.0 * mg) / bw_ew + n_tensors * KERNEL_LAUNCH_S
+
+
 def _wave_efficiency(m, n, groups, sms):
     """Best output-tile wave efficiency over the tile shapes cuBLAS/CUTLASS pick on Hopper/Ampere."""
     best = 0.0
@@ -392,6 +428,7 @@ class _Impl:
     te: bool = True
     attention: Literal["fused", "flash", "unfused_te", "unfused_local"] = "fused"
     grad_reduce_in_fp32: bool = True
+    grad_acc_fusion: bool = True
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool = True
     ce_fusion: bool = True
@@ -425,6 +462,7 @@ def step_time_arrays(
     transformer_impl: Literal["transformer_engine", "local"] = "transformer_engine",
     attention_backend: str = "auto",
     grad_reduce_in_fp32: bool = True,
+    gradient_accumulation_fusion: bool = True,
     moe_token_dispatcher_type: str = "alltoall",
     moe_grouped_gemm: bool = True,
     cross_entropy_loss_fusion: bool = True,
@@ -448,6 +486,7 @@ def step_time_arrays(
         te=transformer_impl == "transformer_engine",
         attention=_attention_path(transformer_impl, attention_backend),
         grad_reduce_in_fp32=grad_reduce_in_fp32,
+        grad_acc_fusion=bool(gradient_accumulation_fusion),
         moe_dispatcher=moe_token_dispatcher_type,
         moe_grouped_gemm=moe_grouped_gemm,
         ce_fusion=cross_entropy_loss_fusion,
@@ -521,6 +560,9 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
         attn_lin.append(_linear_s(T, r_kv + d_rope, h, rate, bw, sms))  # kv down, replicated
         attn_lin.append(_linear_s(T, n_heads * (d_qk + d_v) / tp, r_kv, rate, bw, sms))
         proj = _linear_s(T, h, n_heads * d_v / tp, rate, bw, sms)
+        w_attn = (h * r_kv + h * d_rope + n_heads * (d_qk + d_v) / tp * r_kv + h * n_heads * d_v / tp
+                  + (n_heads * (d_qk + d_rope) / tp * h if shape.q_lora_rank is None
+                     else h * float(shape.q_lora_rank) + n_heads * (d_qk + d_rope) / tp * float(shape.q_lora_rank)))
         qkv_wgrad = attn_lin[0][2]
         qk_dim, v_dim, kv_heads = d_qk + d_rope, d_v, n_heads
         qkv_out_elems = n_heads * (d_qk + d_rope) + n_heads * (d_qk + d_rope + d_v)  # per token, before /tp
@@ -528,6 +570,7 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
         d = float(shape.kv_channels)
         qkv = _linear_s(T, (n_heads * d + 2 * g * d) / tp, h, rate, bw, sms)
         proj = _linear_s(T, h, n_heads * d / tp, rate, bw, sms)
+        w_attn = h * (n_heads * d + 2 * g * d) / tp + n_heads * d / tp * h
         attn_lin = [qkv]
         qkv_wgrad = qkv[2]
         qk_dim, v_dim, kv_heads = d, d, g
@@ -540,13 +583,17 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
     fc2 = _linear_s(T, h, f / tp, rate, bw, sms)
     mlp_gemm_f = fc1[0] + fc2[0]
     mlp_gemm_b = fc1[1] + fc1[2] + fc2[1] + fc2[2]
+    w_mlp = h * f * fc1_mult / tp + f / tp * h
+    acc_attn_b = _wgrad_accumulation_s(w_attn, len(attn_lin) + 1.0, impl, bw, bw_ew)
 
     # ---- core attention --------------------------------------------------------------------
     heads_loc = n_heads / tp
     s_q = s / cp
     if impl.attention in ("fused", "flash"):
         # Causal: the kernel skips masked blocks, so half of QK^T and PV is executed.
-        fwd_flops = 2.0 * b * heads_loc * s_q * s * (qk_dim + v_dim) * 0.5
+        flash = impl.attention == "flash"
+        dims = _attention_kernel_dim(qk_dim, flash) + _attention_kernel_dim(v_dim, flash)
+        fwd_flops = 2.0 * b * heads_loc * s_q * s * dims * 0.5
         chunk = s / cp  # CP ring steps work on s/cp x s/cp blocks
         r_attn = hw.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY * chunk / (chunk + ATTENTION_HALF_RATE_SEQ)
         if impl.attention == "flash":
@@ -590,7 +637,8 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
     else:
         cast_f = cast_b = 0.0
     ew_f_s = (ew_dense_f + cast_f) / bw_ew + n_kernels_f * KERNEL_LAUNCH_S
-    ew_b_s = (2.0 * ew_dense_f + cast_b) / bw_ew + n_kernels_b * KERNEL_LAUNCH_S
+    ew_b_s = ((2.0 * ew_dense_f + cast_b) / bw_ew + n_kernels_b * KERNEL_LAUNCH_S
+              + acc_attn_b + _wgrad_accumulation_s(w_mlp, 2.0, impl, bw, bw_ew))
 
     # ---- TP / SP collectives of one layer --------------------------------------------------
     tp_bw, tp_lat = _group_link(1.0, tp, gpn, nv, net)
@@ -637,6 +685,7 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
         "gemm_f": attn_gemm_f + mlp_gemm_f, "gemm_b": attn_gemm_b + mlp_gemm_b,
         "attn_f": attn_f, "attn_b": attn_b, "ew_f": ew_f_s, "ew_b": ew_b_s,
         "tp_f": tpa_f + tpm_f, "tp_b": tpa_b + tpm_b, "cp_f": cp_f, "cp_b": cp_b, "ep_f": 0.0, "ep_b": 0.0,
+        "acc_attn_b": acc_attn_b,
     }
     layers = {"dense": dense}
     if shape.is_moe:
@@ -693,7 +742,8 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
     out = _linear_s(T, V / tp, h, rate_bf16, bw, sms)  # Megatron's output layer is not a TE module: bf16 even in FP8 runs
     ce_bytes = CROSS_ENTROPY_FUSED_BYTES_PER_LOGIT if impl.ce_fusion else CROSS_ENTROPY_UNFUSED_BYTES_PER_LOGIT
     out_gemm = out[0] + out[1] + out[2]
-    out_ew = T * V / tp * ce_bytes / bw_st + T_sp * 3 * norm_b / bw_ew + 6 * KERNEL_LAUNCH_S
+    out_ew = (T * V / tp * ce_bytes / bw_st + T_sp * 3 * norm_b / bw_ew + 6 * KERNEL_LAUNCH_S
+              + _wgrad_accumulation_s(V / tp * h, 1.0, impl, bw, bw_ew))
     out_tp = np.where(sp > 0, 2.0 * ag, hide(ar, out[2]))  # SP: gather before, reduce-scatter of grad after
     t_out = out_gemm + out_ew + out_tp
     emb_ew = (T * h * 2 * 2 + T * h * 10) / bw_ew + 4 * KERNEL_LAUNCH_S  # lookup; grad scatter-add into fp32
@@ -821,7 +871,11 @@ def _moe_layer(shape, hw, impl, dense, T, T_sp, tp, ep, etp, sp, rate, bw, bw_ew
     act_sh = T * (3.0 if shape.swiglu else 2.0) * fsh / tp * 2
     ew_attn_half = ew_dense_f - T * act_b_dense
     ew_f = (ew_attn_half + act_exp + permute + act_sh + T_sp * E * 4 * 4) / bw_ew + 20 * KERNEL_LAUNCH_S
-    ew_b = 2.0 * (ew_f - 20 * KERNEL_LAUNCH_S) + 40 * KERNEL_LAUNCH_S
+    w_exp = local_experts * (h * fe * fc1_mult / etp + fe / etp * h) + h * E
+    w_sh = h * fsh * fc1_mult / tp + fsh / tp * h
+    acc_b = (dense["acc_attn_b"] + _wgrad_accumulation_s(w_exp, 2.0 * local_experts + 1.0, impl, bw, bw_ew)
+             + (_wgrad_accumulation_s(w_sh, 2.0, impl, bw, bw_ew) if fsh > 0 else 0.0))
+    ew_b = 2.0 * (ew_f - 20 * KERNEL_LAUNCH_S) + 40 * KERNEL_LAUNCH_S + acc_b
     # Dispatch + combine all-to-all over EP (allgather dispatcher: every token to every rank).
     disp = T_sp * k * h * 2.0
     if impl.moe_dispatcher == "allgather":
@@ -902,6 +956,7 @@ def _layout_kwargs(plan: Plan, shape: ModelShape) -> dict:
         tp_comm_overlap=p.tp_comm_overlap, precision=tr.precision, fp8_recipe=tr.fp8_recipe,
         fp8_param_gather=tr.fp8_param_gather, transformer_impl=im.transformer_impl,
         attention_backend=im.attention_backend, grad_reduce_in_fp32=im.grad_reduce_in_fp32,
+        gradient_accumulation_fusion=im.gradient_accumulation_fusion,
         moe_token_dispatcher_type=im.moe_token_dispatcher_type, moe_grouped_gemm=im.moe_grouped_gemm,
         cross_entropy_loss_fusion=im.cross_entropy_loss_fusion,
         recompute_modules=tuple(p.recompute_modules) if p.recompute_modules is not None else None,

@@ -725,7 +725,8 @@ def _score(inp: SearchInputs, st: SearchStats, layouts: list[Layout], cols: dict
             use_distributed_optimizer=d[sel_rows], overlap_grad_reduce=True, overlap_param_gather=d[sel_rows],
             tp_comm_overlap=False, precision=prec, fp8_recipe=inp.fp8_recipe, fp8_param_gather=False,
             transformer_impl=im.transformer_impl, attention_backend=im.attention_backend,
-            grad_reduce_in_fp32=im.grad_reduce_in_fp32, moe_token_dispatcher_type=im.moe_token_dispatcher_type,
+            grad_reduce_in_fp32=im.grad_reduce_in_fp32, gradient_accumulation_fusion=im.gradient_accumulation_fusion,
+            moe_token_dispatcher_type=im.moe_token_dispatcher_type,
             moe_grouped_gemm=im.moe_grouped_gemm, cross_entropy_loss_fusion=im.cross_entropy_loss_fusion,
             # slots hold ranks (0, 1, PP-2, PP-1): first, middles, last stage layer counts
             stage_layers=(gl["nl0"][sel_rows], np.maximum(gl["nl1"], gl["nl2"])[sel_rows], gl["nl3"][sel_rows]),
