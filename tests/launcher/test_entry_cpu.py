@@ -109,6 +109,15 @@ def test_tiny_gpt_world_size_1_reports_times_memory_log_and_trace(tmp_path):
     assert r["device_busy_s_per_profiled_iteration"] is None and r["device_idle_fraction_profiled"] is None
 
 
+def test_manual_gc_collects_only_at_the_chosen_iterations(tmp_path):
+    plan = _plan(implementation={"transformer_impl": "local", "manual_gc": True, "manual_gc_interval": 2})
+    proc, out = _run(tmp_path, plan)
+    r = _check_ok(proc, out, 1)
+    assert r["settings"]["manual_gc"] is True and r["settings"]["manual_gc_interval"] == 2
+    # threshold GC off: the only full collection inside the timed iterations is Megatron's every-2-steps one
+    assert r["host"]["gc_gen2_collections_per_iteration"] == [0, 1, 0]
+
+
 def test_forward_step_and_loss_func_read_nothing_back_to_the_host():
     # A device->host read per micro-batch (.item(), float(), bool(), .tolist(), .cpu()) makes the
     # CPU wait for the GPU before launching the next micro-batch; at small micro-batches the GPU

@@ -359,3 +359,17 @@ def test_reattach_fails_a_job_recorded_but_never_submitted_once_it_is_old(tmp_pa
     states = {s.job_id: (s.state, s.error) for s in mgr.reattach_all()}
     assert states["old000000000"] == ("FAILED", "lost: the server stopped before the job was submitted")
     assert states["new000000000"] == ("PENDING", None)
+
+
+def _gc_result(pauses, kinds=("warmup", "measure", "measure", "measure"), iter_s=0.75):
+    return {"iter_s": iter_s, "iterations": list(kinds), "host": {"gc_pause_s_per_iteration": list(pauses)}}
+
+
+def test_a_large_gc_pause_in_a_measured_iteration_is_named_with_the_manual_gc_fix():
+    # The H200 PP2+VP2 run: a gen-2 collection took 0.362 s inside iteration 3 of a 0.75 s step;
+    # the 0.9 s of the warm-up iteration does not count.
+    note = jobs._gc_note(_gc_result([0.9, 0.002, 0.362, 0.002]), {"implementation": {}})
+    assert "iteration 3" in note and "0.362 s" in note and "48%" in note and "manual_gc" in note
+    assert jobs._gc_note(_gc_result([0.9, 0.002, 0.030, 0.002]), {"implementation": {}}) is None  # 4% < 5%
+    assert "despite manual_gc" in jobs._gc_note(_gc_result([0.0, 0.0, 0.2, 0.0]), {"implementation": {"manual_gc": True}})
+    assert jobs._gc_note({"iter_s": 1.0}, {}) is None and jobs._gc_note(None, {}) is None

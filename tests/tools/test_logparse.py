@@ -71,6 +71,14 @@ def test_arguments_dump_becomes_a_plan_with_the_run_layout():
     assert plan.implementation.gradient_accumulation_fusion is False
 
 
+def test_manual_gc_in_the_arguments_dump_reaches_the_plan():
+    r = parse_log(_log("megatron_0_19_gpt1p3b_local_unfused_mbs4_h200.log"))
+    assert plan_from_megatron_args(r.megatron_args, vocab_size=r.vocab_size)[0].implementation.manual_gc is False
+    args = {**r.megatron_args, "manual_gc": "True", "manual_gc_interval": "250"}
+    im = plan_from_megatron_args(args, vocab_size=r.vocab_size)[0].implementation
+    assert im.manual_gc is True and im.manual_gc_interval == 250
+
+
 def test_arguments_dump_without_the_model_shape_names_the_missing_argument():
     with pytest.raises(ValueError, match="num_layers"):
         plan_from_megatron_args({"hidden_size": "4096", "world_size": "8"})

@@ -265,7 +265,7 @@ def test_spiky_iteration_times_point_at_stalls():
                .replace("elapsed time per iteration (ms): 1168.9", "elapsed time per iteration (ms): 2100.0") for ln in base]
     r = check_mfu(MfuRequest(log_text="\n".join(spiky), gpu="h200"))
     assert any(c.name == "iteration-time spikes" for c in r.diagnosis.components)
-    assert any("--num-workers" in n for n in r.diagnosis.notes)
+    assert any("--num-workers" in n and "manual_gc" in n for n in r.diagnosis.notes)
 
 
 def _gpt13b_h200(**par) -> Plan:

@@ -156,6 +156,16 @@ def test_gradient_accumulation_fusion_off_in_the_plan_is_passed_even_with_apex()
     assert DENSE.implementation.gradient_accumulation_fusion is True
 
 
+def test_manual_gc_maps_to_megatron_flags():
+    assert "--manual-gc" not in _render().megatron_args
+    plan = DENSE.model_copy(update={"implementation": DENSE.implementation.model_copy(update={
+        "manual_gc": True, "manual_gc_interval": 200})})
+    args = _render(plan).megatron_args
+    assert "--manual-gc" in args and _flag_values(args, "--manual-gc-interval") == ["200"]
+    only = DENSE.model_copy(update={"implementation": DENSE.implementation.model_copy(update={"manual_gc": True})})
+    assert "--manual-gc" in _render(only).megatron_args and "--manual-gc-interval" not in _render(only).megatron_args
+
+
 def test_real_data_checkpoints_and_profiling_options_map_to_megatron_flags():
     art = _render(data_path=["0.7", "/data/a b_text_document", "0.3", "/data/c_text_document"],
                   tokenizer_type="HuggingFaceTokenizer", tokenizer_model="meta-llama/Meta-Llama-3-8B",

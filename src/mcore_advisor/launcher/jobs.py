@@ -293,6 +293,30 @@ _MEASURED_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+GC_PAUSE_NOTE_FRACTION = 0.05
+"""A garbage-collection pause inside a measured iteration worth naming: 5% of the median step."""
+
+
+def _gc_note(result: Mapping[str, Any] | None, plan: Mapping[str, Any]) -> str | None:
+    """Name the worst Python GC pause inside the measured iterations when it is large."""
+    if not result:
+        return None
+    pauses = (result.get("host") or {}).get("gc_pause_s_per_iteration") or []
+    kinds = result.get("iterations") or []
+    step = _number(result.get("iter_s"))
+    measured = [(i + 1, p) for i, (k, p) in enumerate(zip(kinds, pauses, strict=False))
+                if k == "measure" and isinstance(p, int | float)]
+    if not measured or not step:
+        return None
+    it, worst = max(measured, key=lambda x: x[1])
+    if worst < GC_PAUSE_NOTE_FRACTION * step:
+        return None
+    if (plan.get("implementation") or {}).get("manual_gc"):
+        return f"Python garbage collection paused iteration {it} for {worst:.3f} s ({worst / step:.0%} of the median step) despite manual_gc"
+    return (f"Python garbage collection paused iteration {it} for {worst:.3f} s ({worst / step:.0%} of the median step): "
+            "implementation.manual_gc (--manual-gc, with manual_gc_interval) runs collections at chosen steps instead")
+
+
 def _number(value: Any) -> float | None:
     """A figure from JSON; per-rank lists/dicts give their maximum (the most-loaded rank)."""
     if isinstance(value, bool):
@@ -618,6 +642,9 @@ class JobManager:
         if rec.result and (not rec.resources.get("use_gpus", True) or _measured_on_cpu(rec.result)):
             note = (f"measured on CPU processes ({rec.result.get('device') or 'cpu'}), not on the plan's GPU: "
                     "the errors check the plumbing, not the model's accuracy")
+        gc_note = _gc_note(rec.result, rec.plan)
+        if gc_note:
+            note = f"{note}; {gc_note}" if note else gc_note
         end = rec.ended_at or (time.time() if rec.state in ACTIVE_STATES else None)
         ref = rec.backend_ref or {}
         return JobStatus(

@@ -331,7 +331,10 @@ def low_mfu(plan: Plan, measured_step_s: float | None, parsed: ParsedLog | None 
                         f"{stats.num_records} records over 1.3x the median {stats.median_ms:.0f} ms: data-loader stalls, "
                         "checkpoint saves, garbage collection or evaluation inside the interval"))
         notes.append("spiky iteration times: raise --num-workers for the data loader, put the dataset on local or faster "
-                     "storage, enable --async-save for checkpoints, and keep evaluation out of the timed interval")
+                     "storage, enable --async-save for checkpoints, and keep evaluation out of the timed interval"
+                     + ("" if plan.implementation.manual_gc else
+                        "; for Python garbage-collection pauses set implementation.manual_gc (--manual-gc, collections "
+                        "every manual_gc_interval steps on all ranks at once)"))
     fixes.sort(key=lambda f: (_last_resort(f), -f.predicted_throughput_change_pct))
     fixes = [f for f in fixes if f.predicted_throughput_change_pct > 1.0][:MAX_FIXES]
     if not fixes:

@@ -1096,10 +1096,13 @@ def plan_from_megatron_args(
     disp = _arg(args, "moe_token_dispatcher_type")
     if disp in ("allgather", "alltoall", "flex"):
         impl["moe_token_dispatcher_type"] = disp
-    for k in ("moe_grouped_gemm", "cross_entropy_loss_fusion", "use_torch_fsdp2", "gradient_accumulation_fusion"):
+    for k in ("moe_grouped_gemm", "cross_entropy_loss_fusion", "use_torch_fsdp2", "gradient_accumulation_fusion", "manual_gc"):
         v = _arg_bool(args, k)
         if v is not None:
             impl[k] = v
+    gci = _arg_int(args, "manual_gc_interval")
+    if impl.get("manual_gc") and gci is not None and gci >= 0:
+        impl["manual_gc_interval"] = gci
 
     plan = Plan(
         model=ModelSpec(**model),

@@ -300,6 +300,11 @@ def run_flags(plan: Plan, shape: ModelShape, req: RenderRequest, run_dir: str) -
         ]
     if req.load_dir:
         flags.append(_f("--load", req.load_dir, why="load_dir: resume from this checkpoint directory"))
+    im = plan.implementation
+    if im.manual_gc:
+        flags.append(_f("--manual-gc", why="implementation.manual_gc: garbage collection only at chosen steps, aligned across ranks"))
+        if im.manual_gc_interval:
+            flags.append(_f("--manual-gc-interval", im.manual_gc_interval, why="implementation.manual_gc_interval: steps between collections"))
     flags += [
         _f("--log-interval", req.log_interval, why="log_interval: steps between log lines"),
         _f("--log-throughput", why="print TFLOP/s per GPU in each log line (what check_mfu reads)"),

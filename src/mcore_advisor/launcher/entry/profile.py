@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import platform
@@ -761,6 +762,14 @@ class Job:
         measured_at = [i for i, k in enumerate(kinds) if k == "measure"]
         first_measured, last_measured = measured_at[0] + 1, measured_at[-1] + 1
         host = self.host = _HostMonitor()
+        impl = self.spec["implementation"]
+        manual_gc = bool(impl.get("manual_gc"))
+        gc_every = int(impl.get("manual_gc_interval") or 0)
+        self.settings.update(manual_gc=manual_gc, manual_gc_interval=gc_every if manual_gc else None)
+        if manual_gc:
+            # Megatron-LM training.py: threshold GC off, one collection before the loop.
+            gc.disable()
+            gc.collect()
         try:
             for it in range(1, total + 1):
                 _State.iteration = it
@@ -778,6 +787,8 @@ class Job:
                 reduced = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=model,
                                   num_microbatches=nmb, seq_length=s, micro_batch_size=b, forward_only=False)
                 ok, grad_norm, _ = self.optimizer.step()
+                if manual_gc and gc_every and it % gc_every == 0:
+                    gc.collect()  # inside Megatron's interval timer too
                 self._sync()
                 dt = time.perf_counter() - t0
                 host.end_iteration()
@@ -813,6 +824,8 @@ class Job:
                     self._report_memory(it, log_file)
         finally:
             host.close()
+            if manual_gc:
+                gc.enable()
             if log_file is not None:
                 log_file.close()
         self._finish(kinds, times, losses_out, grad_norms, trace_path)
