@@ -199,8 +199,9 @@ REPRESENTATIVE: dict[str, tuple[dict, dict]] = {
         {"model": {"name": "llama3-8b"}, "cluster": {"gpu": "b200", "num_gpus": 8},
          "training": {"seq_length": 8192, "global_batch_size": 128, "precision": "fp8", "fp8_recipe": "mxfp8",
                       "fp8_format": "e4m3", "fp8_param_gather": True},
-         "parallelism": {"tensor_model_parallel_size": 2, "sequence_parallel": True}},
-        {"launcher": "torchrun", "profile": True, "nsys": True, "extra_args": ["--manual-gc", "--manual-gc-interval", "10"]}),
+         "parallelism": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+         "implementation": {"manual_gc": True, "manual_gc_interval": 10}},
+        {"launcher": "torchrun", "profile": True, "nsys": True}),
 }
 
 _ARCH_MAJOR = {"ampere": 8, "hopper": 9, "blackwell": 10}
