@@ -112,7 +112,8 @@ def cmd_recommend(a: argparse.Namespace) -> None:
         lines.extend(f"- {x}" for x in r.explanation)
         n = r.nearest_published_run
         if n is not None:
-            lines.append(f"nearest published run: {n.model} on {n.num_gpus} {n.gpu} ({n.source}), {n.layout}: "
+            prec = f" {n.precision.split(' ')[0]}" if n.precision else ""
+            lines.append(f"nearest published run: {n.model} on {n.num_gpus} {n.gpu}{prec} ({n.source}), {n.layout}: "
                          f"{_fmt(n.measured_tokens_per_s_per_gpu, 0)} tokens/s/GPU, "
                          f"{_fmt(n.measured_tflops_per_gpu)} TFLOP/s ({n.flop_convention})")
         for w in r.what_if:

@@ -267,3 +267,20 @@ def test_default_global_batch_is_about_4m_tokens_and_at_least_one_sample_per_8_g
 def test_text_report_lists_the_plans_and_the_search():
     text = format_recommendation(recommend_parallelism(_req()))
     assert text.count("tokens/s/GPU") >= 5 and "searched" in text
+
+
+def test_the_nearest_published_run_prefers_the_plan_s_precision():
+    from mcore_advisor.knowledge.models import resolve_model
+    from mcore_advisor.schemas import ClusterSpec, ModelSpec
+    from mcore_advisor.tools.recommend import _precision_family, nearest_published_run
+
+    shape = resolve_model(ModelSpec(name="llama3-70b"))
+    cluster = ClusterSpec(gpu="h100-sxm", num_gpus=64)
+    fp8 = nearest_published_run(shape, cluster, 8192, "fp8")
+    bf16 = nearest_published_run(shape, cluster, 8192, "bf16")
+    assert _precision_family(fp8.precision) == "fp8"  # NeMo's Llama-3-70B FP8 row on 64 H100s
+    if bf16.row == fp8.row:  # still the closest, but it pays for the precision mismatch
+        assert bf16.distance == pytest.approx(fp8.distance + 0.75)
+    else:
+        assert _precision_family(bf16.precision) != "fp8"
+    assert nearest_published_run(shape, cluster, 8192).distance == fp8.distance  # no precision given: no penalty

@@ -247,7 +247,7 @@ class NearestRun(BaseModel):
     flop_convention: str = Field(description="Convention of measured_tflops_per_gpu ('full', 'full+recompute' = counts recompute, 'causal').")
     measured_mfu_pct: float | None
     predicted_tokens_per_s_per_gpu: float | None = Field(description="This tool's prediction for that published plan (a calibration hint).")
-    distance: float = Field(description="|ln params ratio| + GPU mismatch (0.5 same architecture, 1 other) + 0.5|log2 seq ratio| + 0.25|log2 GPU-count ratio| + 0.5 dense/MoE mismatch.")
+    distance: float = Field(description="|ln params ratio| + GPU mismatch (0.5 same architecture, 1 other) + 0.5|log2 seq ratio| + 0.25|log2 GPU-count ratio| + 0.5 dense/MoE mismatch + 0.75 BF16/FP8 mismatch with the recommended plan.")
 
 
 class WhatIf(BaseModel):
@@ -383,7 +383,8 @@ def recommend_parallelism(request: RecommendRequest, *, clock: Callable[[], floa
         global_batch_size=gbs,
         plans=plans,
         explanation=explanation,
-        nearest_published_run=nearest_published_run(shape, request.cluster, request.seq_length),
+        nearest_published_run=nearest_published_run(shape, request.cluster, request.seq_length,
+                                                     plans[0].plan.training.precision if plans else request.precision),
         what_if=what_if,
         suggestions=suggestions,
         min_gpus_for_model_state=min_gpus,
@@ -731,8 +732,17 @@ def _run_table() -> tuple[tuple, ...]:
     return tuple(rows)
 
 
-def nearest_published_run(shape: ModelShape, cluster: ClusterSpec, seq_length: int) -> NearestRun | None:
-    """The published run closest in model size, GPU, sequence length and GPU count (see NearestRun.distance)."""
+def _precision_family(text: str | None) -> str | None:
+    if not text:
+        return None
+    t = text.lower()
+    return "fp8" if "fp8" in t else ("bf16" if "bf16" in t or "fp16" in t else None)
+
+
+def nearest_published_run(shape: ModelShape, cluster: ClusterSpec, seq_length: int,
+                          precision: str | None = None) -> NearestRun | None:
+    """The published run closest in model size, GPU, sequence length, GPU count and precision
+    (see NearestRun.distance): an FP8 run is no yardstick for a BF16 plan."""
     params = float(count_params(shape, seq_length))
     g = gpu(cluster.gpu)
     best = None
@@ -747,6 +757,9 @@ def nearest_published_run(shape: ModelShape, cluster: ClusterSpec, seq_length: i
         d += 0.5 * abs(math.log2(seq_length / run.seq_length)) + 0.25 * abs(math.log2(cluster.num_gpus / run.num_gpus))
         if moe is not None and moe != shape.is_moe:
             d += 0.5
+        fam = _precision_family(run.precision)
+        if precision is not None and fam is not None and fam != precision:
+            d += 0.75
         if best is None or d < best[0]:
             best = (d, run, p_run, pred)
     if best is None:
@@ -960,7 +973,8 @@ def format_recommendation(rec: Recommendation) -> str:
         meas = (f"{r.measured_tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if r.measured_tokens_per_s_per_gpu
                 else f"{r.measured_tflops_per_gpu} TFLOP/s/GPU ({r.flop_convention})")
         pred = f", this tool predicts {r.predicted_tokens_per_s_per_gpu:,.0f}" if r.predicted_tokens_per_s_per_gpu else ""
-        lines.append(f"nearest published run: {r.model} on {r.num_gpus} x {r.gpu}, seq {r.seq_length}, {r.layout}: "
+        prec = f", {_precision_family(r.precision).upper()}" if _precision_family(r.precision) else ""
+        lines.append(f"nearest published run: {r.model} on {r.num_gpus} x {r.gpu}, seq {r.seq_length}{prec}, {r.layout}: "
                      f"measured {meas}{pred} [{r.source}]")
     s = rec.stats
     rate = f" in {s.elapsed_s * 1000:.0f} ms ({s.candidates_per_s:,.0f}/s)" if s.elapsed_s else ""
