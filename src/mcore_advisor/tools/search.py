@@ -54,6 +54,7 @@ from mcore_advisor.tools.memory import (
     ActivationOptions,
     _is_unfused,
     _stage_layers,
+    _te_weight_shapes,
     cross_entropy_peak_bytes_per_logit,
     fragmentation_fraction,
     layer_activation_terms,
@@ -73,7 +74,7 @@ _NSLOTS = 4  # pipeline ranks memory_breakdown evaluates
 _COLUMNS = (
     "tp", "pp", "vp", "cp", "ep", "etp", "sp", "dp", "edp", "fp8", "non_pt", "V",
     "dl", "ml", "dw1", "dw2", "mw1", "mw2", "dl_sel", "ml_sel", "dw1_sel", "dw2_sel", "mw1_sel", "mw2_sel",
-    *(f"{name}{i}" for i in range(_NSLOTS) for name in ("r", "nl", "nd", "nm", "dp", "ep", "f8", "first", "last")),
+    *(f"{name}{i}" for i in range(_NSLOTS) for name in ("r", "nl", "nd", "nm", "dp", "ep", "f8", "first", "last", "db")),
 )
 
 
@@ -232,7 +233,8 @@ def _slots(shape: ModelShape, seq: int, tp: int, pp: int, vp: int, ep: int, etp:
            first_layers: int | None = None, last_layers: int | None = None) -> tuple[tuple, ...]:
     """The pipeline ranks memory_breakdown evaluates (first, second, second-to-last, last), padded to four.
 
-    Each: (rank, num_layers, dense_layers, moe_layers, dense_params, expert_params, fp8_params, first, last).
+    Each: (rank, num_layers, dense_layers, moe_layers, dense_params, expert_params, fp8_params, first, last,
+    TE dummy weight-gradient bytes with gradient-accumulation fusion).
     """
     out = []
     for r in sorted({0, min(1, pp - 1), max(0, pp - 2), pp - 1}):
@@ -240,7 +242,11 @@ def _slots(shape: ModelShape, seq: int, tp: int, pp: int, vp: int, ep: int, etp:
         first, last = r == 0, r == pp - 1
         rp = rank_params(shape, layers, first=first, last=last, tp=tp, ep=ep, etp=etp, seq_length=seq)
         n_moe = sum(shape.moe_layer_pattern[i] for i in layers) if shape.is_moe else 0
-        out.append((r, len(layers), len(layers) - n_moe, n_moe, rp.dense, rp.expert, rp.fp8_eligible, first, last))
+        dummies = _te_weight_shapes(shape, tp, etp, has_dense=len(layers) > n_moe, has_moe=n_moe > 0)
+        if last:
+            dummies.add((shape.padded_vocab_size(tp) // tp, shape.hidden_size))
+        out.append((r, len(layers), len(layers) - n_moe, n_moe, rp.dense, rp.expert, rp.fp8_eligible, first, last,
+                    2.0 * sum(a * c for a, c in dummies)))
     while len(out) < _NSLOTS:
         out.append(out[-1])
     return tuple(out)
@@ -314,6 +320,7 @@ def _memory_total_gib(inp: SearchInputs, t: _Table, kind: int, k: np.ndarray | N
     dp_opt = g["dp"] * cp
     edp = np.maximum(1.0, g["edp"])
     local = im.transformer_impl == "local"
+    fused_dummies = im.gradient_accumulation_fusion and not local and not im.use_torch_fsdp2
     V = g["V"]
     M = np.maximum(1.0, np.floor(inp.global_batch_size / (b * g["dp"])))
     unfused = _is_unfused(im.attention_backend)
@@ -357,7 +364,8 @@ def _memory_total_gib(inp: SearchInputs, t: _Table, kind: int, k: np.ndarray | N
         last_acts = np.where(last, 2.0 * h * tok / sp_div * 2 + 12.0 * tok, 0.0)
         logits = 2.0 * V * tok / tp
         ce_peak = cross_entropy_peak_bytes_per_logit(im.cross_entropy_loss_fusion, ce_impl) / 2.0 * logits
-        out_wgrad = 2.0 * V * h / tp  # bf16 output-layer weight gradient (no grad-accumulation fusion)
+        # bf16 output-layer weight gradient before main_grad.add_ (TE's cached dummy when fused)
+        out_wgrad = 0.0 if fused_dummies else 2.0 * V * h / tp
         bwd_peak = logits + out_wgrad + 2.0 * h * tok
         mtp = shape.mtp_num_layers
         heads_extra = (mtp * (logits if te_ce else 2.0 * logits)) if mtp else 0.0
@@ -365,6 +373,8 @@ def _memory_total_gib(inp: SearchInputs, t: _Table, kind: int, k: np.ndarray | N
         if mtp:
             last_acts = last_acts + np.where(last, mtp * (ml if (shape.is_moe and shape.moe_layer_pattern[-1]) else dl), 0.0)
         buffers = float(MISC_ALLOCATED_BYTES)
+        if fused_dummies:
+            buffers = buffers + g[f"db{si}"]
         if local:
             gbuf = 0.0
             if unfused:
