@@ -32,6 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from mcore_advisor.launcher.as_ran import as_ran
 from mcore_advisor.schemas import (
     ClusterSpec,
     ImplementationSpec,
@@ -127,7 +128,7 @@ def _load_items(p: Path) -> list:
     return data if isinstance(data, list) else data.get("runs") or data.get("results") or [data]
 
 
-def _sweep_rows() -> list[tuple[str, str, Plan, float]]:
+def _sweep_rows() -> list[tuple[str, str, Plan, float, bool | None]]:
     """benchmarks/results/*.json(l): rows with a 'plan' and a measured peak allocated GiB, either at
     the top level or in 'result' (benchmarks/gpu/runner.py rows: per-rank list, max taken)."""
     out = []
@@ -144,41 +145,26 @@ def _sweep_rows() -> list[tuple[str, str, Plan, float]]:
                 plan = Plan.model_validate(plan_d)
             except ValueError:
                 continue
-            ran: dict = {}
-            ran_impl = res.get("transformer_impl")
-            if ran_impl in ("local", "transformer_engine"):
-                # The profile job falls back to the local spec where Transformer Engine is missing.
-                ran["transformer_impl"] = ran_impl
-            settings = res.get("settings") or {}
-            if isinstance(settings.get("cross_entropy_loss_fusion"), bool):
-                ran["cross_entropy_loss_fusion"] = settings["cross_entropy_loss_fusion"]
-                ran["cross_entropy_fusion_impl"] = "native"  # profile.py hard-codes Megatron's own
-            gaf = settings.get("gradient_accumulation_fusion", False)  # absent: runs before the field, unfused
-            ran["gradient_accumulation_fusion"] = bool(gaf)
-            if ran:
-                plan = plan.model_copy(update={"implementation": plan.implementation.model_copy(update=ran)})
-            if gaf == "TE layers":  # no Apex there: Megatron's own output layer stayed unfused
-                OUTPUT_UNFUSED.add(label := it.get("label") or it.get("name") or f"{p.stem}[{i}]")
+            # What the job actually ran (TE or the local spec, wgrad fusion, cross entropy).
+            ran = as_ran(plan, res)
+            plan = ran.plan
             label = it.get("label") or it.get("name") or f"{p.stem}[{i}]"
             reserved = _reserved_at_peak(it.get("peak_allocated_gib") or res.get("peak_allocated_gib"),
                                          it.get("peak_reserved_gib") or res.get("peak_reserved_gib"))
             if reserved is not None:
                 RESERVED[label] = reserved
-            out.append((label, p.name, plan, measured))
+            out.append((label, p.name, plan, measured, ran.output_layer_wgrad_fusion))
     return out
 
 
-OUTPUT_UNFUSED: set[str] = set()
-
-
 def main() -> int:
-    rows = _h200_rows() + _bridge_rows() + _sweep_rows()
+    rows = [(*r, None) for r in _h200_rows() + _bridge_rows()] + _sweep_rows()
     lines = [f"{'case':70s} {'source':32s} {'pred GiB':>9s} {'meas GiB':>9s} {'err %':>7s}  most-loaded (first/middle/last peaks)"]
     errs: dict[str, list[float]] = {}
     res_errs: dict[str, list[float]] = {}
     frag_meas: dict[str, list[float]] = {}
-    for label, src, plan, measured in rows:
-        bd = memory_breakdown(plan, output_layer_wgrad_fusion=False if label in OUTPUT_UNFUSED else None)
+    for label, src, plan, measured, out_fusion in rows:
+        bd = memory_breakdown(plan, output_layer_wgrad_fusion=out_fusion)
         err = 100.0 * (bd.peak_allocated_gib / measured - 1.0)
         group = "h200" if src.startswith("device") else ("bridge" if src.startswith("MBRIDGE") else "sweep")
         errs.setdefault(group, []).append(err)

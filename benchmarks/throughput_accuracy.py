@@ -25,9 +25,9 @@ from pathlib import Path
 
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.knowledge.runs import plan_for_run, published_runs
+from mcore_advisor.launcher.as_ran import as_ran
 from mcore_advisor.schemas import (
     Plan,
-    with_changes,
 )
 from mcore_advisor.tools.flops import flops_per_iteration
 from mcore_advisor.tools.perf import PerfEstimate, step_time
@@ -167,10 +167,7 @@ def gpu_run_cases() -> list[Case]:
                 plan = Plan.model_validate(r["plan"])
             except ValueError:
                 continue
-            # What the job actually ran: runs before the plan field existed (or without TE, on
-            # which the fusion needs Apex) accumulated weight gradients unfused.
-            gaf = (res.get("settings") or {}).get("gradient_accumulation_fusion", False)
-            plan = with_changes(plan, "implementation", gradient_accumulation_fusion=bool(gaf))
+            plan = as_ran(plan, res).plan  # what the job actually ran (TE or local spec, wgrad fusion, ...)
             notes = [f"ran alongside {r['ran_alongside']}" if r.get("ran_alongside") else "", str(r.get("notes", ""))]
             case = Case(f"GPU_RUN {p.name}#{i} {r.get('name', '')}", plan, float(tps), "tokens/s (measured)",
                         [n for n in notes if n])

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.schemas import Finding, Plan
 
+from .as_ran import as_ran
 from .backends.base import (
     ERROR_FILE,
     JOB_ENV_MARKER,
@@ -250,6 +251,32 @@ def _predict(plan: Plan) -> dict[str, Any] | None:
     except (ImportError, ValueError, KeyError) as exc:
         log.info("no memory prediction for this plan: %s", exc)
     return out or None
+
+
+def _as_ran_prediction(plan: Mapping[str, Any], result: Mapping[str, Any] | None) -> tuple[PredictedFigures | None, str | None]:
+    """Predicted figures for the plan as the job ran it, when the entry fell back from the plan
+    (no Transformer Engine, no Apex, ...); (None, None) when it ran the plan as given."""
+    if not result:
+        return None, None
+    try:
+        ran = as_ran(Plan.model_validate(plan), result)
+    except ValueError:
+        return None, None
+    if not ran.differences:
+        return None, None
+    try:
+        from mcore_advisor.tools.memory import memory_breakdown
+        from mcore_advisor.tools.perf import step_time
+
+        perf = step_time(ran.plan)
+        mem = memory_breakdown(ran.plan, output_layer_wgrad_fusion=ran.output_layer_wgrad_fusion)
+    except (ValueError, KeyError) as exc:
+        log.info("no prediction for the plan as it ran: %s", exc)
+        return None, None
+    figures = PredictedFigures(iteration_time_s=perf.iteration_time_s, tokens_per_s_per_gpu=perf.tokens_per_s_per_gpu,
+                               tflops_per_gpu_causal=perf.model_tflops_per_gpu_causal,
+                               peak_allocated_gib=mem.peak_allocated_gib)
+    return figures, "predicted for the plan as the job ran it: " + "; ".join(ran.differences)
 
 
 def _drop_plans(value: Any) -> Any:
@@ -637,10 +664,13 @@ class JobManager:
         if rec.state == "FAILED":
             stderr_tail = tail_text(job_dir / STDERR_FILE, max_lines=LOG_TAIL_LINES, max_bytes=LOG_TAIL_BYTES)
         predicted = predicted_figures(rec.predicted)
+        ran_predicted, ran_note = _as_ran_prediction(rec.plan, rec.result)
+        if ran_predicted is not None:
+            predicted = ran_predicted
         comparison = compare(rec.result, predicted)
-        note = None
+        note = ran_note
         if rec.result and (not rec.resources.get("use_gpus", True) or _measured_on_cpu(rec.result)):
-            note = (f"measured on CPU processes ({rec.result.get('device') or 'cpu'}), not on the plan's GPU: "
+            note = (f"{note}; " if note else "") + (f"measured on CPU processes ({rec.result.get('device') or 'cpu'}), not on the plan's GPU: "
                     "the errors check the plumbing, not the model's accuracy")
         gc_note = _gc_note(rec.result, rec.plan)
         if gc_note:
