@@ -23,7 +23,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"
 KEEP_TRACES = ("t_gpt1.3b_te_bf16_mbs8", "m_gpt1.3b_dp2_distopt_mbs4")
-FILES = {"target": "gpu_h200_runs.jsonl", "memory": "gpu_memory_sweep.jsonl", "recommend": "gpu_recommend_sweep.jsonl"}
+FILES = {"target": "gpu_h200_runs.jsonl", "memory": "gpu_memory_sweep.jsonl", "recommend": "gpu_recommend_sweep.jsonl",
+         "gc": "gpu_gc_runs.jsonl"}
 # Published Megatron-LM pretrain_gpt.py figures on this machine type (shared reference TE-on-gpu.md)
 # and the SDPA probe (shared data device-measurements-h200.jsonl): the issue-7 targets.
 TARGETS = {

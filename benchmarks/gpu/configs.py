@@ -89,6 +89,14 @@ def runs() -> list[tuple[str, str, Plan, dict]]:
         ("m_moe8x_top2_ep2_mbs4", "memory", plan(MOE, gpus=2, gbs=16, mbs=4, par={"expert_model_parallel_size": 2}), quick_prof),
         ("m_gqa1.5b_pp2vp2_mbs1", "memory", plan(GQA, gpus=2, seq=4096, gbs=16, mbs=1, par={"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}), quick_prof),
     ]
+    # (d) Megatron's --manual-gc: the PP2+VP2 row had a 0.36 s gen-2 collection inside a measured step
+    gc_runs = {"warmup_steps": 2, "measure_steps": 12, "profile_steps": None}
+    pp2vp2 = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
+    out += [
+        ("g_gqa1.5b_pp2vp2_mbs1_autogc", "gc", plan(GQA, gpus=2, seq=4096, gbs=16, mbs=1, par=pp2vp2), gc_runs),
+        ("g_gqa1.5b_pp2vp2_mbs1_manualgc", "gc", plan(GQA, gpus=2, seq=4096, gbs=16, mbs=1, par=pp2vp2,
+                                                      impl={"manual_gc": True}), gc_runs),
+    ]
     # (c) recommender check: GPT 1.3B, seq 2048, GBS 32, one H200, TE, micro-batch x recompute
     for mbs in (1, 2, 4, 8, 16):
         for rname, rc in (("none", {}), ("sel", SEL), ("full", FULL)):
