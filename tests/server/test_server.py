@@ -92,6 +92,26 @@ async def test_evaluate_plan_returns_memory_and_performance(server):
         assert out["memory"]["peak_allocated_gib"] > 10
 
 
+async def test_implementation_choices_reach_the_tools_through_mcp(server):
+    plan = {**LLAMA70B_64, "implementation": {"gradient_accumulation_fusion": False, "manual_gc": True,
+                                              "manual_gc_interval": 100}}
+    async with Client(server) as client:
+        fused = (await client.call_tool("evaluate_plan", {"plan": LLAMA70B_64})).structured_content
+        res = await client.call_tool("evaluate_plan", {"plan": plan})
+        assert res.is_error is False, _text(res)
+        # the separate main_grad add costs time; TE's cached dummy wgrads are gone from memory
+        assert res.structured_content["performance"]["iteration_time_s"] > fused["performance"]["iteration_time_s"]
+        assert res.structured_content["memory"]["peak_allocated_gib"] != fused["memory"]["peak_allocated_gib"]
+        rendered = await client.call_tool("render_launch_script", {"request": {"plan": plan, "launcher": "slurm"}})
+        assert rendered.is_error is False, _text(rendered)
+        art = rendered.structured_content
+        args = art["megatron_args"]
+        assert "--no-gradient-accumulation-fusion" in args and "--manual-gc" in args
+        assert args[args.index("--manual-gc-interval") + 1] == "100"
+        bad = await client.call_tool("evaluate_plan", {"plan": {**LLAMA70B_64, "implementation": {"manual_gc_interval": -1}}})
+        assert bad.is_error is True and "manual_gc_interval" in _text(bad)
+
+
 async def test_unknown_model_is_a_tool_error_naming_the_field_and_known_keys(server):
     async with Client(server) as client:
         res = await client.call_tool("evaluate_plan", {"plan": {**LLAMA70B_64, "model": {"name": "llama-9000"}}})
