@@ -225,32 +225,14 @@ def _render_profile_script(plan: Plan, spec: dict[str, Any], artifact: JobArtifa
 
 
 def _predict(plan: Plan) -> dict[str, Any] | None:
-    """evaluate_plan's answer; until that tool exists, the two estimators it combines."""
-    try:
-        from mcore_advisor.tools.evaluate import evaluate_plan  # type: ignore[import-not-found]
-    except ImportError:
-        evaluate_plan = None
-    if evaluate_plan is not None:
-        try:
-            result = evaluate_plan(plan)
-        except (ValueError, KeyError) as exc:
-            log.info("no prediction for this plan: %s", exc)
-            return None
-        return result.model_dump(mode="json") if hasattr(result, "model_dump") else dict(result)
-    out: dict[str, Any] = {}
-    try:
-        from mcore_advisor.tools.perf import step_time
+    """evaluate_plan's answer at submit time (None where the core cannot evaluate the plan)."""
+    from mcore_advisor.tools.evaluate import evaluate_plan
 
-        out["performance"] = step_time(plan).model_dump(mode="json")
-    except (ImportError, ValueError, KeyError) as exc:
-        log.info("no performance prediction for this plan: %s", exc)
     try:
-        from mcore_advisor.tools.memory import memory_breakdown
-
-        out["memory"] = memory_breakdown(plan).model_dump(mode="json")
-    except (ImportError, ValueError, KeyError) as exc:
-        log.info("no memory prediction for this plan: %s", exc)
-    return out or None
+        return evaluate_plan(plan).model_dump(mode="json")
+    except (ValueError, KeyError) as exc:
+        log.info("no prediction for this plan: %s", exc)
+        return None
 
 
 def _as_ran_prediction(plan: Mapping[str, Any], result: Mapping[str, Any] | None) -> tuple[PredictedFigures | None, str | None]:
