@@ -185,27 +185,22 @@ def _norm_params(shape: ModelShape, width: int) -> int:
 
 
 def attention_params_per_layer(shape: ModelShape) -> int:
-    """One attention block's parameters (without its pre-norm).
+    """One attention block's parameters (without its pre-norm): its linear weights
+    (`linear_weights`), MLA's q and kv norms, and biases with add_bias_linear.
 
-    MHA/GQA: Q (h x n*d), K and V (h x g*d each), output (n*d x h), biases with add_bias_linear.
+    MHA/GQA: Q (h x n*d), K and V (h x g*d each), output (n*d x h).
     MLA (DeepSeek-V2/V3, Megatron `MLASelfAttention`): q down (h x r_q) + q norm (r_q) + q up
     (r_q x n*(d_qk+d_rope)), or one h x n*(d_qk+d_rope) without q-LoRA; kv down
     (h x (r_kv+d_rope)) + kv norm (r_kv) + kv up (r_kv x n*(d_qk+d_v)); output (n*d_v x h).
     """
     h, n = shape.hidden_size, shape.num_attention_heads
+    weights = sum(r * c for r, c, _ in linear_weights(shape)["attention"])
     if shape.multi_latent_attention:
         dq = shape.qk_head_dim + shape.qk_pos_emb_head_dim
-        r_q, r_kv = shape.q_lora_rank, shape.kv_lora_rank
-        q = h * r_q + _norm_params(shape, r_q) + r_q * n * dq if r_q else h * n * dq
-        kv = h * (r_kv + shape.qk_pos_emb_head_dim) + _norm_params(shape, r_kv) + r_kv * n * (shape.qk_head_dim + shape.v_head_dim)
-        out = n * shape.v_head_dim * h
-        bias = (n * dq + h) if shape.add_bias_linear else 0
-        return q + kv + out + bias
+        norms = (_norm_params(shape, shape.q_lora_rank) if shape.q_lora_rank else 0) + _norm_params(shape, shape.kv_lora_rank)
+        return weights + norms + ((n * dq + h) if shape.add_bias_linear else 0)
     d, g = shape.kv_channels, shape.num_query_groups
-    q_out = 2 * h * n * d
-    kv = 2 * h * g * d
-    bias = (n * d + 2 * g * d + h) if shape.add_bias_linear else 0
-    return q_out + kv + bias
+    return weights + ((n * d + 2 * g * d + h) if shape.add_bias_linear else 0)
 
 
 def mlp_params(shape: ModelShape, ffn: int) -> int:
@@ -214,6 +209,35 @@ def mlp_params(shape: ModelShape, ffn: int) -> int:
     gates = 2 if shape.swiglu else 1
     bias = (gates * ffn + h) if shape.add_bias_linear else 0
     return (gates + 1) * h * ffn + bias
+
+
+# A linear weight (out_features, in_features) and the dimension tensor parallelism splits: 0 for a
+# column-parallel layer, 1 for a row-parallel one, None for one replicated on every TP rank.
+LinearWeight = tuple[int, int, int | None]
+
+
+def linear_weights(shape: ModelShape) -> dict[str, tuple[LinearWeight, ...]]:
+    """The linear layers of one transformer layer, by block: 'attention', 'mlp' (dense layers),
+    'expert' (one routed expert; TP here means expert TP) and 'shared_expert'. Megatron-Core's
+    layout: fused QKV (column) + output projection (row); MLA's down-projections are replicated,
+    its up-projections column-parallel; fc1 (with the SwiGLU gate) column, fc2 row."""
+    h, n = shape.hidden_size, shape.num_attention_heads
+    gates = 2 if shape.swiglu else 1
+    if shape.multi_latent_attention:
+        dq = shape.qk_head_dim + shape.qk_pos_emb_head_dim
+        r_q, r_kv = shape.q_lora_rank, shape.kv_lora_rank
+        q = ((r_q, h, None), (n * dq, r_q, 0)) if r_q else ((n * dq, h, 0),)
+        attn = (*q, (r_kv + shape.qk_pos_emb_head_dim, h, None), (n * (shape.qk_head_dim + shape.v_head_dim), r_kv, 0),
+                (h, n * shape.v_head_dim, 1))
+    else:
+        d, g = shape.kv_channels, shape.num_query_groups
+        attn = (((n + 2 * g) * d, h, 0), (h, n * d, 1))
+
+    def mlp(f: int | None) -> tuple[LinearWeight, ...]:
+        return ((gates * f, h, 0), (h, f, 1)) if f else ()
+
+    return {"attention": attn, "mlp": mlp(shape.ffn_hidden_size), "expert": mlp(shape.moe_ffn_hidden_size),
+            "shared_expert": mlp(shape.moe_shared_expert_intermediate_size)}
 
 
 @lru_cache(maxsize=1024)

@@ -57,7 +57,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import gpu
-from mcore_advisor.knowledge.models import attention_params_per_layer, mlp_params, resolve_model
+from mcore_advisor.knowledge.models import (
+    attention_params_per_layer,
+    linear_weights,
+    mlp_params,
+    resolve_model,
+)
 from mcore_advisor.schemas import ModelShape, Plan, layers_per_stage, parallel_dims
 
 GIB = 1024**3
@@ -492,29 +497,13 @@ def _te_weight_shapes(shape: ModelShape, tp: int, etp: int, *, has_dense: bool, 
     """Distinct local weight shapes of a rank's TE linear layers: with gradient-accumulation fusion
     TE returns a cached bf16 dummy weight gradient per (rows, cols) (get_dummy_wgrad). Measured on
     H200: +96 MiB on GPT 1.3B (qkv, proj, fc1, fc2 at TP1) and +75 MiB on GPT 2.7B at TP2, exactly."""
-    h, n = shape.hidden_size, shape.num_attention_heads
-    mult = 2 if shape.swiglu else 1
-    out: set[tuple[int, int]] = set()
-    if shape.multi_latent_attention:
-        dqk, drope, dv = shape.qk_head_dim, shape.qk_pos_emb_head_dim, shape.v_head_dim
-        if shape.q_lora_rank is None:
-            out.add((n * (dqk + drope) // tp, h))
-        else:
-            out |= {(shape.q_lora_rank, h), (n * (dqk + drope) // tp, shape.q_lora_rank)}
-        out |= {(shape.kv_lora_rank + drope, h), (n * (dqk + dv) // tp, shape.kv_lora_rank), (h, n * dv // tp)}
-    else:
-        d, g = shape.kv_channels, shape.num_query_groups
-        out |= {((n + 2 * g) * d // tp, h), (h, n * d // tp)}
+    lw = linear_weights(shape)
+    blocks = [(lw["attention"], tp)]
     if has_dense:
-        f = shape.ffn_hidden_size
-        out |= {(f * mult // tp, h), (h, f // tp)}
+        blocks.append((lw["mlp"], tp))
     if has_moe:
-        fe = shape.moe_ffn_hidden_size
-        out |= {(fe * mult // etp, h), (h, fe // etp)}
-        if shape.moe_shared_expert_intermediate_size:
-            fs = shape.moe_shared_expert_intermediate_size
-            out |= {(fs * mult // tp, h), (h, fs // tp)}
-    return out
+        blocks += [(lw["expert"], etp), (lw["shared_expert"], tp)]
+    return {(r // t if split == 0 else r, c // t if split == 1 else c) for weights, t in blocks for r, c, split in weights}
 
 
 def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native", "te"] | None = None,

@@ -59,7 +59,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import GpuSpec, gpu
-from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.knowledge.models import linear_weights, resolve_model
 from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, layers_per_stage, parallel_dims
 from mcore_advisor.tools.flops import (
     attention_flops_per_token_per_layer,
@@ -356,6 +356,11 @@ def _wgrad_accumulation_s(weights, n_tensors, impl: _Impl, bw, bw_ew):
     return weights * (2.0 + 2.0 * mg) / bw_ew + n_tensors * KERNEL_LAUNCH_S
 
 
+def _local_weights(weights, tp):
+    """Elements of these linear weights on one TP rank (replicated ones whole)."""
+    return sum(r * c / (tp if split is not None else 1.0) for r, c, split in weights)
+
+
 def _wave_efficiency(m, n, groups, sms):
     """Best output-tile wave efficiency over the tile shapes cuBLAS/CUTLASS pick on Hopper/Ampere."""
     best = 0.0
@@ -560,9 +565,6 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
         attn_lin.append(_linear_s(T, r_kv + d_rope, h, rate, bw, sms))  # kv down, replicated
         attn_lin.append(_linear_s(T, n_heads * (d_qk + d_v) / tp, r_kv, rate, bw, sms))
         proj = _linear_s(T, h, n_heads * d_v / tp, rate, bw, sms)
-        w_attn = (h * r_kv + h * d_rope + n_heads * (d_qk + d_v) / tp * r_kv + h * n_heads * d_v / tp
-                  + (n_heads * (d_qk + d_rope) / tp * h if shape.q_lora_rank is None
-                     else h * float(shape.q_lora_rank) + n_heads * (d_qk + d_rope) / tp * float(shape.q_lora_rank)))
         qkv_wgrad = attn_lin[0][2]
         qk_dim, v_dim, kv_heads = d_qk + d_rope, d_v, n_heads
         qkv_out_elems = n_heads * (d_qk + d_rope) + n_heads * (d_qk + d_rope + d_v)  # per token, before /tp
@@ -570,7 +572,6 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
         d = float(shape.kv_channels)
         qkv = _linear_s(T, (n_heads * d + 2 * g * d) / tp, h, rate, bw, sms)
         proj = _linear_s(T, h, n_heads * d / tp, rate, bw, sms)
-        w_attn = h * (n_heads * d + 2 * g * d) / tp + n_heads * d / tp * h
         attn_lin = [qkv]
         qkv_wgrad = qkv[2]
         qk_dim, v_dim, kv_heads = d, d, g
@@ -583,8 +584,8 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
     fc2 = _linear_s(T, h, f / tp, rate, bw, sms)
     mlp_gemm_f = fc1[0] + fc2[0]
     mlp_gemm_b = fc1[1] + fc1[2] + fc2[1] + fc2[2]
-    w_mlp = h * f * fc1_mult / tp + f / tp * h
-    acc_attn_b = _wgrad_accumulation_s(w_attn, len(attn_lin) + 1.0, impl, bw, bw_ew)
+    lw = linear_weights(shape)
+    acc_attn_b = _wgrad_accumulation_s(_local_weights(lw["attention"], tp), len(lw["attention"]), impl, bw, bw_ew)
 
     # ---- core attention --------------------------------------------------------------------
     heads_loc = n_heads / tp
@@ -638,7 +639,7 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
         cast_f = cast_b = 0.0
     ew_f_s = (ew_dense_f + cast_f) / bw_ew + n_kernels_f * KERNEL_LAUNCH_S
     ew_b_s = ((2.0 * ew_dense_f + cast_b) / bw_ew + n_kernels_b * KERNEL_LAUNCH_S
-              + acc_attn_b + _wgrad_accumulation_s(w_mlp, 2.0, impl, bw, bw_ew))
+              + acc_attn_b + _wgrad_accumulation_s(_local_weights(lw["mlp"], tp), len(lw["mlp"]), impl, bw, bw_ew))
 
     # ---- TP / SP collectives of one layer --------------------------------------------------
     tp_bw, tp_lat = _group_link(1.0, tp, gpn, nv, net)
@@ -871,10 +872,10 @@ def _moe_layer(shape, hw, impl, dense, T, T_sp, tp, ep, etp, sp, rate, bw, bw_ew
     act_sh = T * (3.0 if shape.swiglu else 2.0) * fsh / tp * 2
     ew_attn_half = ew_dense_f - T * act_b_dense
     ew_f = (ew_attn_half + act_exp + permute + act_sh + T_sp * E * 4 * 4) / bw_ew + 20 * KERNEL_LAUNCH_S
-    w_exp = local_experts * (h * fe * fc1_mult / etp + fe / etp * h) + h * E
-    w_sh = h * fsh * fc1_mult / tp + fsh / tp * h
-    acc_b = (dense["acc_attn_b"] + _wgrad_accumulation_s(w_exp, 2.0 * local_experts + 1.0, impl, bw, bw_ew)
-             + (_wgrad_accumulation_s(w_sh, 2.0, impl, bw, bw_ew) if fsh > 0 else 0.0))
+    lw = linear_weights(shape)
+    w_exp = local_experts * _local_weights(lw["expert"], etp) + h * E  # routed experts + router
+    acc_b = (dense["acc_attn_b"] + _wgrad_accumulation_s(w_exp, len(lw["expert"]) * local_experts + 1.0, impl, bw, bw_ew)
+             + _wgrad_accumulation_s(_local_weights(lw["shared_expert"], tp), len(lw["shared_expert"]), impl, bw, bw_ew))
     ew_b = 2.0 * (ew_f - 20 * KERNEL_LAUNCH_S) + 40 * KERNEL_LAUNCH_S + acc_b
     # Dispatch + combine all-to-all over EP (allgather dispatcher: every token to every rank).
     disp = T_sp * k * h * 2.0
