@@ -493,17 +493,22 @@ def _is_unfused(attention_backend: str) -> bool:
     return attention_backend in ("unfused", "local")
 
 
-def _te_weight_shapes(shape: ModelShape, tp: int, etp: int, *, has_dense: bool, has_moe: bool) -> set[tuple[int, int]]:
-    """Distinct local weight shapes of a rank's TE linear layers: with gradient-accumulation fusion
-    TE returns a cached bf16 dummy weight gradient per (rows, cols) (get_dummy_wgrad). Measured on
-    H200: +96 MiB on GPT 1.3B (qkv, proj, fc1, fc2 at TP1) and +75 MiB on GPT 2.7B at TP2, exactly."""
+def te_dummy_wgrad_bytes(shape: ModelShape, tp: int, etp: int, *, has_dense: bool, has_moe: bool,
+                         output_vocab: int | None = None) -> float:
+    """With gradient-accumulation fusion TE returns a cached bf16 dummy weight gradient per distinct
+    local weight shape (get_dummy_wgrad); Megatron's output layer (fused with Apex) takes one too,
+    [output_vocab / tp, h], when the rank holds it. Measured on H200: +96 MiB on GPT 1.3B (qkv, proj,
+    fc1, fc2 at TP1) and +75 MiB on GPT 2.7B at TP2, exactly."""
     lw = linear_weights(shape)
     blocks = [(lw["attention"], tp)]
     if has_dense:
         blocks.append((lw["mlp"], tp))
     if has_moe:
         blocks += [(lw["expert"], etp), (lw["shared_expert"], tp)]
-    return {(r // t if split == 0 else r, c // t if split == 1 else c) for weights, t in blocks for r, c, split in weights}
+    shapes = {(r // t if split == 0 else r, c // t if split == 1 else c) for weights, t in blocks for r, c, split in weights}
+    if output_vocab:
+        shapes.add((output_vocab // tp, shape.hidden_size))
+    return 2.0 * sum(r * c for r, c in shapes)
 
 
 def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native", "te"] | None = None,
@@ -654,12 +659,8 @@ def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native",
                 acts += shape.mtp_num_layers * (moe_layer if shape.is_moe and shape.moe_layer_pattern[-1] else dense_layer)
         buffers = float(MISC_ALLOCATED_BYTES)
         if fused_dummies:
-            dummy_shapes = _te_weight_shapes(shape, tp, dims.etp, has_dense=n_dense > 0, has_moe=n_moe > 0)
-            if last and out_fused:
-                # Megatron's output layer (with Apex's fusion) returns TE's cached dummy too, instead
-                # of a transient bf16 weight gradient.
-                dummy_shapes.add((V // tp, h))
-            buffers += 2.0 * sum(r_ * c_ for r_, c_ in dummy_shapes)
+            buffers += te_dummy_wgrad_bytes(shape, tp, dims.etp, has_dense=n_dense > 0, has_moe=n_moe > 0,
+                                            output_vocab=V if last and out_fused else None)
         if im.transformer_impl == "local":
             # Megatron's global memory buffer ("mpu"): the unfused attention's baddbmm input
             # [b*n/t, s, s] bf16 and the SP all-gather buffer share one name, sized by the larger.

@@ -54,12 +54,12 @@ from mcore_advisor.tools.memory import (
     ActivationOptions,
     _is_unfused,
     _stage_layers,
-    _te_weight_shapes,
     cross_entropy_peak_bytes_per_logit,
     fragmentation_fraction,
     layer_activation_terms,
     layer_backward_working_bytes,
     rank_params,
+    te_dummy_wgrad_bytes,
 )
 from mcore_advisor.tools.perf import HardwareParams, step_time_arrays
 from mcore_advisor.validators import layout_errors
@@ -242,11 +242,9 @@ def _slots(shape: ModelShape, seq: int, tp: int, pp: int, vp: int, ep: int, etp:
         first, last = r == 0, r == pp - 1
         rp = rank_params(shape, layers, first=first, last=last, tp=tp, ep=ep, etp=etp, seq_length=seq)
         n_moe = sum(shape.moe_layer_pattern[i] for i in layers) if shape.is_moe else 0
-        dummies = _te_weight_shapes(shape, tp, etp, has_dense=len(layers) > n_moe, has_moe=n_moe > 0)
-        if last:
-            dummies.add((shape.padded_vocab_size(tp) // tp, shape.hidden_size))
-        out.append((r, len(layers), len(layers) - n_moe, n_moe, rp.dense, rp.expert, rp.fp8_eligible, first, last,
-                    2.0 * sum(a * c for a, c in dummies)))
+        dummies = te_dummy_wgrad_bytes(shape, tp, etp, has_dense=len(layers) > n_moe, has_moe=n_moe > 0,
+                                       output_vocab=shape.padded_vocab_size(tp) if last else None)
+        out.append((r, len(layers), len(layers) - n_moe, n_moe, rp.dense, rp.expert, rp.fp8_eligible, first, last, dummies))
     while len(out) < _NSLOTS:
         out.append(out[-1])
     return tuple(out)
