@@ -49,6 +49,11 @@ def test_only_transformer_engine_modules_get_the_fusion(fake_te):
             assert layer.output.fuse_wgrad_accumulation is False
 
 
-def test_no_apex_extension_on_this_machine():
-    # The entry decides between Megatron's all-layer fusion (Apex present) and the TE-only one.
-    assert profile._have_apex_wgrad_fusion() is False
+def test_apex_s_wgrad_extension_decides_between_all_layers_and_te_only(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    for present in (True, False):
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, present=present: (
+            object() if present and name == "fused_weight_gradient_mlp_cuda" else real(name)))
+        assert profile._have_apex_wgrad_fusion() is present

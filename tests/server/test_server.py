@@ -99,9 +99,11 @@ async def test_implementation_choices_reach_the_tools_through_mcp(server):
         fused = (await client.call_tool("evaluate_plan", {"plan": LLAMA70B_64})).structured_content
         res = await client.call_tool("evaluate_plan", {"plan": plan})
         assert res.is_error is False, _text(res)
-        # the separate main_grad add costs time; TE's cached dummy wgrads are gone from memory
+        # the separate main_grad add costs time; TE's cached dummy wgrads are gone from memory: on the
+        # most-loaded (first) stage at TP8, 2 B x 8192 x (1280 + 1024 + 7168 + 3584) for qkv, proj, fc1, fc2
         assert res.structured_content["performance"]["iteration_time_s"] > fused["performance"]["iteration_time_s"]
-        assert res.structured_content["memory"]["peak_allocated_gib"] != fused["memory"]["peak_allocated_gib"]
+        saved = fused["memory"]["peak_allocated_gib"] - res.structured_content["memory"]["peak_allocated_gib"]
+        assert saved * 2**30 == pytest.approx(2 * 8192 * (1280 + 1024 + 7168 + 3584))
         rendered = await client.call_tool("render_launch_script", {"request": {"plan": plan, "launcher": "slurm"}})
         assert rendered.is_error is False, _text(rendered)
         art = rendered.structured_content
