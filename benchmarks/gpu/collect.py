@@ -134,7 +134,8 @@ def targets(rows: list[dict], env: dict) -> str:
         res = r.get("result") or {}
         got = res.get(key)
         call = str(r.get("device_call", "?"))
-        mcall = _machine_env(env, call) if "/" in call else f"{call}" if f"call_{call}" in env else None
+        # session calls: the machine's env call; session-1 rows: their own call's env, if any
+        mcall = _machine_env(env, call) if "/" in call else (call if f"call_{call}" in env else None)
         mm = [_matmul(env, mcall, g) for g in r.get("gpus", [])] if mcall else []
         mm_s = ", ".join(f"{x:.0f}" for x in mm if x) or "-"
         gaf = (res.get("settings") or {}).get("gradient_accumulation_fusion")
