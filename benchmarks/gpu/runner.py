@@ -7,8 +7,8 @@ configs.py), schedules one-GPU runs on free GPUs side by side (one process per G
 which runs shared the machine) and two-GPU runs alone, and appends one JSON line per run to
 DIR/results.jsonl as soon as it ends, so a call cut short still returns what finished. Stops
 launching new runs once `--deadline-s` has passed. At the end it packs the train logs, the error
-files and the last lines of each run's output into DIR/logs.tar.gz and the rank-0 traces into
-DIR/traces.tar.gz.
+files and the last lines of each run's output into DIR/logs.tar.gz and the rank-0 traces named in --traces into
+DIR/traces.tar.
 """
 
 from __future__ import annotations
@@ -182,25 +182,15 @@ def main() -> int:
             break
         need = row["nproc"]
         exclusive = need > 1 or row["name"] in solo
-        if exclusive and running:
-            reap(block=False)
-            time.sleep(0.5)
-            continue
-        if len(free) < need:
-            reap(block=False)
-            time.sleep(0.5)
-            continue
-        # a solo run already on the machine keeps others off it
-        if any(r.row["name"] in solo for r in running):
+        # wait while: an exclusive run has company, GPUs are short (or the pinned one is busy), or a
+        # solo run already on the machine keeps others off it
+        if ((exclusive and running) or len(free) < need or ("pin" in row and row["pin"] not in free)
+                or any(r.row["name"] in solo for r in running)):
             reap(block=False)
             time.sleep(0.5)
             continue
         queue.pop(0)
         if "pin" in row:
-            if row["pin"] not in free:
-                reap(block=False)
-                time.sleep(0.5)
-                continue
             free.remove(row["pin"])
             gpus = [row["pin"]]
         else:
