@@ -145,9 +145,6 @@ class _HostMonitor:
     """
 
     def __init__(self) -> None:
-        import gc
-
-        self._gc = gc
         self.gc_s: list[float] = []
         self.gc_gen2: list[int] = []
         self._t0 = 0.0
@@ -190,8 +187,8 @@ class _HostMonitor:
             self.loadavg_1m = (self._load0, load1)
 
     def close(self) -> None:
-        if self._callback in self._gc.callbacks:
-            self._gc.callbacks.remove(self._callback)
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
 
 def _loadavg() -> float | None:
@@ -341,15 +338,7 @@ class Job:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         _State.phase = "parallel_state"
-        d = self.spec["dims"]
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=d["tp"],
-            pipeline_model_parallel_size=d["pp"],
-            virtual_pipeline_model_parallel_size=d["vp"],
-            context_parallel_size=d["cp"],
-            expert_model_parallel_size=d["ep"],
-            expert_tensor_parallel_size=d["etp"],
-        )
+        ps.initialize_model_parallel(**_parallel_sizes(self.spec["dims"]))
         self.ps = ps
         seed = self.spec["run"]["seed"]
         self.torch.manual_seed(seed)
@@ -422,12 +411,7 @@ class Job:
             hidden_dropout=0.0,
             attention_dropout=0.0,
             init_method_std=0.02,
-            tensor_model_parallel_size=d["tp"],
-            pipeline_model_parallel_size=d["pp"],
-            virtual_pipeline_model_parallel_size=d["vp"],
-            context_parallel_size=d["cp"],
-            expert_model_parallel_size=d["ep"],
-            expert_tensor_parallel_size=d["etp"],
+            **_parallel_sizes(d),
             sequence_parallel=sp,
             bf16=True,
             params_dtype=torch.bfloat16,
@@ -758,7 +742,6 @@ class Job:
         losses_out: list[float | None] = []
         grad_norms: list[float | None] = []
         trace_path = self.out / f"trace_rank{self.rank}.json"
-        nan_iters = 0
         measured_at = [i for i, k in enumerate(kinds) if k == "measure"]
         first_measured, last_measured = measured_at[0] + 1, measured_at[-1] + 1
         host = self.host = _HostMonitor()
@@ -804,8 +787,6 @@ class Job:
                     acc = torch.stack([x["lm loss"] for x in reduced]).sum(0)
                     torch.distributed.all_reduce(acc, group=ps.get_data_parallel_group(with_context_parallel=True))
                     loss = float(acc[0] / acc[1].clamp(min=1))
-                if loss is not None and loss != loss:
-                    nan_iters += 1
                 losses_out.append(loss)
                 gn = float(grad_norm) if grad_norm is not None else None
                 grad_norms.append(gn)
@@ -963,6 +944,18 @@ class Job:
             "gc_source": "Python gc.callbacks inside the timed region of each iteration, worst rank",
             "steal_source": "/proc/stat steal / total jiffies over the measured iterations (all CPUs of the machine)",
         }
+
+
+def _parallel_sizes(dims: dict[str, Any]) -> dict[str, Any]:
+    """The spec's parallel dims under Megatron's names (initialize_model_parallel and TransformerConfig)."""
+    return {
+        "tensor_model_parallel_size": dims["tp"],
+        "pipeline_model_parallel_size": dims["pp"],
+        "virtual_pipeline_model_parallel_size": dims["vp"],
+        "context_parallel_size": dims["cp"],
+        "expert_model_parallel_size": dims["ep"],
+        "expert_tensor_parallel_size": dims["etp"],
+    }
 
 
 def _have_apex_wgrad_fusion() -> bool:
