@@ -179,7 +179,7 @@ class ParamCounts(BaseModel):
         return self.total - self.embedding - self.output
 
 
-def _norm_params(shape: ModelShape, width: int) -> int:
+def norm_params(shape: ModelShape, width: int) -> int:
     # LayerNorm has weight and bias, RMSNorm only a weight.
     return width * (2 if shape.normalization == "LayerNorm" else 1)
 
@@ -197,7 +197,7 @@ def attention_params_per_layer(shape: ModelShape) -> int:
     weights = sum(r * c for r, c, _ in linear_weights(shape)["attention"])
     if shape.multi_latent_attention:
         dq = shape.qk_head_dim + shape.qk_pos_emb_head_dim
-        norms = (_norm_params(shape, shape.q_lora_rank) if shape.q_lora_rank else 0) + _norm_params(shape, shape.kv_lora_rank)
+        norms = (norm_params(shape, shape.q_lora_rank) if shape.q_lora_rank else 0) + norm_params(shape, shape.kv_lora_rank)
         return weights + norms + ((n * dq + h) if shape.add_bias_linear else 0)
     d, g = shape.kv_channels, shape.num_query_groups
     return weights + ((n * d + 2 * g * d + h) if shape.add_bias_linear else 0)
@@ -256,7 +256,7 @@ def param_counts(shape: ModelShape, seq_length: int | None = None, include_mtp: 
     if shape.position_embedding_type == "learned_absolute" and seq_length:
         embedding += seq_length * h
     attn = attention_params_per_layer(shape)
-    layer_norms = 2 * _norm_params(shape, h)
+    layer_norms = 2 * norm_params(shape, h)
     n_moe = shape.num_moe_layers if E else 0
     n_dense = shape.num_layers - n_moe
     dense = mlp_params(shape, shape.ffn_hidden_size)
@@ -269,7 +269,7 @@ def param_counts(shape: ModelShape, seq_length: int | None = None, include_mtp: 
         # and a final norm; embedding and output layer are shared with the main model.
         last_is_moe = bool(E) and shape.moe_layer_pattern[-1] == 1
         layer = attn + layer_norms + ((E * expert + shared + router) if last_is_moe else dense)
-        mtp = shape.mtp_num_layers * (layer + 2 * h * h + 3 * _norm_params(shape, h))
+        mtp = shape.mtp_num_layers * (layer + 2 * h * h + 3 * norm_params(shape, h))
     return ParamCounts(
         embedding=embedding,
         attention=attn * shape.num_layers,
@@ -278,7 +278,7 @@ def param_counts(shape: ModelShape, seq_length: int | None = None, include_mtp: 
         moe_routed_active=shape.moe_router_topk * expert * n_moe,
         moe_shared=shared * n_moe,
         router=router * n_moe,
-        norms=layer_norms * shape.num_layers + _norm_params(shape, h),
+        norms=layer_norms * shape.num_layers + norm_params(shape, h),
         output=V * h if shape.untie_embeddings_and_output_weights else 0,
         mtp=mtp,
     )

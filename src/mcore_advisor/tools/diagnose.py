@@ -28,7 +28,7 @@ from mcore_advisor.tools.logparse import (
     ParsedLog,
     TheoreticalMemory,
 )
-from mcore_advisor.tools.perf import PerfEstimate
+from mcore_advisor.tools.perf import PerfEstimate, pipeline_bubble_fraction
 
 _RESULT = ConfigDict(frozen=True)
 
@@ -100,13 +100,6 @@ class OomDiagnosis(BaseModel):
     theoretical_memory: TheoreticalMemory | None = None
     fixes: list[FixSuggestion] = Field(default_factory=list, description="Plans that fit first (fastest first), then the rest by memory saved.")
     findings: list[Finding] = Field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------------------------
-# Candidate changes
-# ---------------------------------------------------------------------------------------------
-
-
 
 
 def _fmt(v) -> str:
@@ -281,7 +274,7 @@ def _components(plan: Plan, shape: ModelShape, perf: PerfEstimate, step_s: float
     rows = [
         ("pipeline bubble", b.pipeline_bubble_s,
          f"fill and drain of {dims.pp} stages over {m} micro-batches" + (f", {dims.vp} model chunks each" if dims.vp > 1 else "")
-         + f": (pp-1)/(vp*m) = {(dims.pp - 1) / (dims.vp * m):.1%} of the compute"),
+         + f": (pp-1)/(vp*m) = {pipeline_bubble_fraction(dims.pp, dims.vp, m):.1%} of the compute"),
         ("exposed TP/SP communication", b.tp_comm_exposed_s, f"TP={dims.tp} all-gather/reduce-scatter not hidden behind GEMMs"),
         ("exposed CP communication", b.cp_comm_exposed_s, f"CP={dims.cp} K/V ring not hidden behind attention"),
         ("MoE all-to-all", b.ep_comm_s, f"EP={dims.ep} token dispatch and combine"),

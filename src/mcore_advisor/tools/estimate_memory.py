@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.schemas import Finding, Plan, parallel_dims, with_changes
 from mcore_advisor.tools.memory import MemoryBreakdown, memory_breakdown
+from mcore_advisor.validators import validate
 
 # Below this fraction of capacity left, suggest changes even though the plan fits: allocator
 # behaviour and dataset-dependent peaks (MoE routing imbalance, variable sequence lengths) move
@@ -47,8 +48,6 @@ class MemoryReport(BaseModel):
     imbalance_gib: float = Field(description="Peak allocated of the most-loaded minus the least-loaded pipeline rank, GiB.")
     findings: list[Finding] = Field(description="Validation findings (errors make the plan unrunnable) plus memory verdicts.")
     suggestions: list[MemoryChange] = Field(description="Ranked by memory saved; given when the plan does not fit or headroom < 5%.")
-
-
 
 
 def _candidates(plan: Plan) -> list[tuple[str, Any, Any, Plan, str]]:
@@ -119,14 +118,6 @@ def _candidates(plan: Plan) -> list[tuple[str, Any, Any, Plan, str]]:
     return out
 
 
-def _validation_findings(plan: Plan) -> list[Finding]:
-    try:
-        from mcore_advisor.validators import validate
-    except ImportError:  # validators not available in this build
-        return []
-    return validate(plan)
-
-
 def estimate_memory(plan: Plan) -> MemoryReport:
     """Per-GPU memory of a plan: the breakdown on the most-loaded rank, whether it fits, and fixes.
 
@@ -137,7 +128,7 @@ def estimate_memory(plan: Plan) -> MemoryReport:
     CUDA context + NCCL buffers, and is what must stay below the GPU's capacity.
     """
     bd = memory_breakdown(plan)
-    findings = list(_validation_findings(plan))
+    findings = list(validate(plan))
     imbalance = max(s.peak_allocated_bytes for s in bd.stages) / 2**30 - bd.least_loaded_peak_gib
     low = bd.headroom_gib < LOW_HEADROOM_FRACTION * bd.capacity_gib
     if not bd.fits:

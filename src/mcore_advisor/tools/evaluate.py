@@ -15,11 +15,7 @@ from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.schemas import Finding, ModelShape, Plan, parallel_dims
 from mcore_advisor.tools.memory import MemoryBreakdown, memory_breakdown
 from mcore_advisor.tools.perf import PerfEstimate, step_time
-
-try:  # validators land separately; without them evaluate_plan still reports memory and speed
-    from mcore_advisor.validators import validate as _validate
-except ImportError:  # pragma: no cover - only while the validators package is incomplete
-    _validate = None
+from mcore_advisor.validators import validate
 
 
 class ParallelSummary(BaseModel):
@@ -67,7 +63,7 @@ def evaluate_plan(plan: Plan) -> Evaluation:
     """
     shape = resolve_model(plan.model)
     g = gpu(plan.cluster.gpu)
-    findings = list(_validate(plan)) if _validate is not None else []
+    findings = validate(plan)
     has_error = any(f.severity == "error" for f in findings)
     dims = parallel_dims(plan)
     tr = plan.training

@@ -449,12 +449,6 @@ def parse_megatron_iteration_line(line: str) -> IterationRecord | None:
     return IterationRecord(**f) if f is not None else None
 
 
-def parse_nemo_iteration_line(line: str) -> IterationRecord | None:
-    """Parse a NeMo 2 ProgressPrinter line or its tqdm progress-bar form; None if neither."""
-    f = _nemo_fields(line)
-    return IterationRecord(**f) if f is not None else None
-
-
 def parse_memory_line(line: str) -> MemoryReport | None:
     """Parse a Megatron (MB) or Megatron-Bridge (GB) `report_memory` line."""
     m = _MEMORY.search(line)

@@ -61,6 +61,7 @@ from mcore_advisor.knowledge.models import (
     attention_params_per_layer,
     linear_weights,
     mlp_params,
+    norm_params,
     resolve_model,
 )
 from mcore_advisor.schemas import ModelShape, Plan, layers_per_stage, parallel_dims
@@ -384,10 +385,6 @@ class RankParams:
     fp8_eligible: float  # linear weights inside transformer layers (TE casts these to FP8)
 
 
-def _norm(shape: ModelShape) -> int:
-    return shape.hidden_size * (2 if shape.normalization == "LayerNorm" else 1)
-
-
 def rank_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool, tp: int, ep: int, etp: int,
                 seq_length: int) -> RankParams:
     """Parameters on one pipeline rank holding decoder `layers` (global indices).
@@ -402,7 +399,7 @@ def rank_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool
     V = shape.padded_vocab_size(tp)
     attn = attention_params_per_layer(shape)
     dense_mlp = mlp_params(shape, shape.ffn_hidden_size)
-    norms = 2 * _norm(shape)
+    norms = 2 * norm_params(shape, shape.hidden_size)
     E = shape.num_experts or 0
     expert = mlp_params(shape, shape.moe_ffn_hidden_size) if E else 0
     shared = mlp_params(shape, shape.moe_shared_expert_intermediate_size) if E and shape.moe_shared_expert_intermediate_size else 0
@@ -418,14 +415,14 @@ def rank_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool
         if shape.position_embedding_type == "learned_absolute":
             dense += seq_length * h
     if last:
-        dense += _norm(shape)
+        dense += norm_params(shape, shape.hidden_size)
         single_stage = first
         if shape.untie_embeddings_and_output_weights or not single_stage:
             dense += V * h / tp
         if shape.mtp_num_layers:
             last_moe = bool(E) and shape.moe_layer_pattern[-1] == 1
             mtp_layer = attn / tp + norms + ((shared / tp + router) if last_moe else dense_mlp / tp)
-            mtp_extra = 2 * h * h / tp + 3 * _norm(shape)
+            mtp_extra = 2 * h * h / tp + 3 * norm_params(shape, shape.hidden_size)
             dense += shape.mtp_num_layers * (mtp_layer + mtp_extra)
             if last_moe:
                 experts += shape.mtp_num_layers * E * expert / (ep * etp)
@@ -596,13 +593,10 @@ def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native",
         n_params = rp.dense + rp.expert
         # --- model state
         weights = 2.0 * n_params
-        if fp8:
-            if tr.fp8_param_gather:
-                # FP8 params (1 B) + their transpose for the wgrad/dgrad GEMM layout (1 B) replace bf16.
-                weights += 0.0
-            else:
-                # TE caches the FP8 weight and its transpose for all microbatches of a step.
-                weights += 2.0 * rp.fp8_eligible * (1.0 + (1 / 16 if tr.fp8_recipe == "mxfp8" else 0.0))
+        if fp8 and not tr.fp8_param_gather:
+            # TE caches the FP8 weight and its transpose for all microbatches of a step (with
+            # --fp8-param-gather the FP8 param (1 B) and its transpose (1 B) replace the bf16 copy).
+            weights += 2.0 * rp.fp8_eligible * (1.0 + (1 / 16 if tr.fp8_recipe == "mxfp8" else 0.0))
         grads = grad_bytes * n_params
         if par.use_distributed_optimizer and not fsdp:
             optim = 12.0 * rp.dense / dp_opt + 12.0 * rp.expert / max(1, dims.expert_dp)

@@ -307,10 +307,8 @@ def expected_band(plan: Plan, shape: ModelShape, fl: _Flops) -> ExpectedBand | N
     Each run's MFU is recomputed in both conventions from its tokens/s where the row has them
     (tokens/s x this tool's FLOPs/token for the row's own plan); otherwise only its published MFU
     (in the source's convention) is given."""
-    try:
-        from mcore_advisor.knowledge.runs import plan_for_run, published_runs
-    except ImportError:
-        return None
+    from mcore_advisor.knowledge.runs import plan_for_run, published_runs
+
     g = gpu(plan.cluster.gpu)
     fp8 = plan.training.precision == "fp8"
     our_n = (fl.per_token["causal"].total_flops - fl.per_token["causal"].core_attention_flops) / 6 / 1e9
@@ -671,11 +669,6 @@ def _claim_checks(req: MfuRequest, plan: Plan, shape: ModelShape, gspec: GpuSpec
         checks.append(ClaimCheck(claim=f"{m:g}% MFU at {tok_gpu:.1f} tokens/s/GPU",
                                  consistent=any(name in ("causal", "full") for name, _ in close), message=msg))
     return checks
-
-
-# ---------------------------------------------------------------------------------------------
-# Diagnosis: low MFU
-# ---------------------------------------------------------------------------------------------
 
 
 __all__ = [

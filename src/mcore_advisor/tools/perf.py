@@ -690,8 +690,8 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
     }
     layers = {"dense": dense}
     if shape.is_moe:
-        layers["moe"] = _moe_layer(shape, hw, impl, dense, T, T_sp, tp, ep, etp, sp, rate, bw, bw_ew, sms, gpn, nv, net,
-                                   attn_gemm_f, attn_gemm_b, tpa_f, tpa_b, mlp_gemm_f, ew_dense_f, act_b_dense)
+        layers["moe"] = _moe_layer(shape, impl, dense, T, T_sp, tp, ep, etp, rate, bw, bw_ew, sms, gpn, nv, net,
+                                   attn_gemm_f, attn_gemm_b, tpa_f, tpa_b, ew_dense_f, act_b_dense)
 
     # Selective recompute: rerun forward of the chosen modules during backward.
     def sel_extra(parts, is_moe):
@@ -837,8 +837,8 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
     }
 
 
-def _moe_layer(shape, hw, impl, dense, T, T_sp, tp, ep, etp, sp, rate, bw, bw_ew, sms, gpn, nv, net,
-               attn_gemm_f, attn_gemm_b, tpa_f, tpa_b, mlp_gemm_f, ew_dense_f, act_b_dense):
+def _moe_layer(shape, impl, dense, T, T_sp, tp, ep, etp, rate, bw, bw_ew, sms, gpn, nv, net,
+               attn_gemm_f, attn_gemm_b, tpa_f, tpa_b, ew_dense_f, act_b_dense):
     """One MoE layer: the attention half of a dense layer + router, dispatch, experts, combine."""
     h = float(shape.hidden_size)
     E = float(shape.num_experts)

@@ -356,8 +356,8 @@ def recommend_parallelism(request: RecommendRequest, *, clock: Callable[[], floa
     notes.append(f"memory must leave {inp.required_headroom_gib:.1f} GiB of {capacity:.1f} GiB free on the most-loaded GPU")
     if any(p.plan.parallelism.decoder_first_pipeline_num_layers or p.plan.parallelism.decoder_last_pipeline_num_layers for p in plans):
         notes.append(
-            "uneven pipeline split: tools.memory and tools.perf do not yet read decoder_first/last_pipeline_num_layers "
-            "(they assume the even split with the remainder on the first stages), so stage memory/time are approximate"
+            "uneven pipeline split: decoder_first/last_pipeline_num_layers put fewer layers on the first/last stage "
+            "(embedding, loss); memory and step time are computed for each stage's own layer count"
         )
     elapsed = (t_search - t0) if clock else None
     s = out.stats

@@ -322,7 +322,6 @@ def _memory_total_gib(inp: SearchInputs, t: _Table, kind: int, k: np.ndarray | N
     V = g["V"]
     M = np.maximum(1.0, np.floor(inp.global_batch_size / (b * g["dp"])))
     unfused = _is_unfused(im.attention_backend)
-    # memory_breakdown's default --cross-entropy-fusion-impl 'native' upcasts logits to fp32 even fused.
     # Loss peak per logit as memory_breakdown takes it (the plan's --cross-entropy-fusion-impl).
     ce_impl = im.cross_entropy_fusion_impl
     te_ce = im.cross_entropy_loss_fusion and ce_impl == "te"
