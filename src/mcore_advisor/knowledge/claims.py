@@ -4,7 +4,7 @@ The seeds are marketing-grade Megatron-Core skill docs; several of their numbers
 taken as dense, MFUs that contradict their own TFLOP/s, or layouts attributed to runs that used
 others. Each claim quotes the seed verbatim, restates what it asserts, and says why it holds or
 not, with the corrected value where there is one. The arithmetic behind the verdicts is redone in
-tests/knowledge/test_claims.py.
+tests/knowledge/test_seed_claims.py.
 """
 
 from __future__ import annotations

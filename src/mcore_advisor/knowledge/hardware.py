@@ -9,6 +9,8 @@ from importlib import resources
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mcore_advisor.knowledge.models import normalize_key
+
 
 class GpuSpec(BaseModel):
     """One GPU type. Rates are dense (never 2:4-sparse) datasheet peaks."""
@@ -32,14 +34,14 @@ class GpuSpec(BaseModel):
 
 @cache
 def gpu_catalog() -> dict[str, GpuSpec]:
-    raw = json.loads(resources.files(__package__).joinpath("data/hardware.json").read_text())
+    raw = json.loads(resources.files(__package__).joinpath("data/hardware.json").read_text(encoding="utf-8"))
     return {g["key"]: GpuSpec(**g) for g in raw["gpus"]}
 
 
 def gpu(key: str) -> GpuSpec:
     """Look up a GPU by catalog key (case-insensitive, '_' = '-'); KeyError lists the known keys."""
     cat = gpu_catalog()
-    norm = key.strip().lower().replace("_", "-").replace(" ", "-")
+    norm = normalize_key(key)
     if norm in cat:
         return cat[norm]
     if norm in _ALIASES:

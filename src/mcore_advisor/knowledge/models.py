@@ -33,11 +33,12 @@ class CatalogModel(BaseModel):
 
 @cache
 def model_catalog() -> dict[str, CatalogModel]:
-    raw = json.loads(resources.files(__package__).joinpath("data/models.json").read_text())
+    raw = json.loads(resources.files(__package__).joinpath("data/models.json").read_text(encoding="utf-8"))
     return {m["key"]: CatalogModel(**m) for m in raw["models"]}
 
 
-def _norm(name: str) -> str:
+def normalize_key(name: str) -> str:
+    """Catalog key form of a name: case-insensitive, '_' and ' ' read as '-' (models and GPUs)."""
     return name.strip().lower().replace("_", "-").replace(" ", "-")
 
 
@@ -47,14 +48,14 @@ def _name_index() -> dict[str, str]:
     index: dict[str, str] = {}
     for m in model_catalog().values():
         for n in (m.key, *m.aliases):
-            index.setdefault(_norm(n), m.key)
+            index.setdefault(normalize_key(n), m.key)
     return index
 
 
 def catalog_model(name: str) -> CatalogModel:
     """Look up by key or alias (case-insensitive, '_' = '-'); KeyError lists close matches and every key."""
     cat = model_catalog()
-    n = _norm(name)
+    n = normalize_key(name)
     key = _name_index().get(n)
     if key is not None:
         return cat[key]

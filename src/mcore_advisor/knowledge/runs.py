@@ -28,7 +28,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import gpu_key_from_label
-from mcore_advisor.knowledge.models import _norm, model_catalog, resolve_model
+from mcore_advisor.knowledge.models import model_catalog, normalize_key, resolve_model
 from mcore_advisor.schemas import (
     ClusterSpec,
     ImplementationSpec,
@@ -199,7 +199,7 @@ def _precision(label: str) -> Literal["bf16", "fp16", "fp8"] | None:
 @cache
 def published_runs() -> tuple[PublishedRun, ...]:
     """Every row of data/published_runs.csv as a PublishedRun (cached; cheap to call in loops)."""
-    text = resources.files(__package__).joinpath("data/published_runs.csv").read_text()
+    text = resources.files(__package__).joinpath("data/published_runs.csv").read_text(encoding="utf-8")
     out = []
     for i, r in enumerate(csv.DictReader(text.splitlines())):
         src = r["source"]
@@ -259,7 +259,7 @@ class RunPlan(BaseModel):
 
 def _label_key(label: str) -> str:
     # 'LLAMA2-7B SFT' / 'LLAMA3_70B SFT' -> 'llama2-7b' / 'llama3-70b'
-    return _norm(re.sub(r"\s+sft$", "", label.strip(), flags=re.I))
+    return normalize_key(re.sub(r"\s+sft$", "", label.strip(), flags=re.I))
 
 
 def _match_catalog(run: PublishedRun) -> tuple[str | None, list[str]]:
@@ -281,7 +281,7 @@ def _match_catalog(run: PublishedRun) -> tuple[str | None, list[str]]:
     notes: list[str] = []
     if len(candidates) > 1:
         label = _label_key(run.model)
-        named = [k for k in candidates if label == k or label in (_norm(a) for a in model_catalog()[k].aliases)]
+        named = [k for k in candidates if label == k or label in (normalize_key(a) for a in model_catalog()[k].aliases)]
         chosen = named[0] if named else sorted(candidates)[0]
         shapes = {resolve_model(ModelSpec(name=k)).model_copy(update={"name": None}) for k in candidates}
         if len(shapes) > 1:

@@ -53,7 +53,7 @@ def job_spec(
     g = gpu(plan.cluster.gpu)
     d = parallel_dims(plan)
     p, t = plan.parallelism, plan.training
-    model_parallel = d.tp * d.pp * d.cp
+    model_parallel = d.model_parallel
     if plan.cluster.num_gpus % model_parallel:
         raise ValueError(
             f"cluster.num_gpus ({plan.cluster.num_gpus}) must be a multiple of tensor * pipeline * context "

@@ -108,7 +108,6 @@ class Ctx:
     num_moe_layers: int = 0
     layers_ok: bool = False
     layers_per_stage: int = 0  # the most-loaded stage's layers
-    stage_layers: tuple[int, ...] = ()
     chunk_ok: bool = False
     layers_per_chunk: int = 0  # 0 when not an integer
     batch_ok: bool = False
@@ -218,8 +217,8 @@ def make_ctx(
     c.expert_world_ok = num_gpus % c.expert_model_pipeline == 0
     c.expert_dp = num_gpus // c.expert_model_pipeline if c.expert_world_ok else 0
     c.num_experts = shape.num_experts or 0
-    c.num_moe_layers = sum(shape.moe_layer_pattern) if c.num_experts else 0
-    c.is_moe = c.num_moe_layers > 0
+    c.num_moe_layers = shape.num_moe_layers if c.num_experts else 0
+    c.is_moe = shape.is_moe
     L = shape.num_layers
     uneven = pp > 1 and (decoder_first_pipeline_num_layers is not None or decoder_last_pipeline_num_layers is not None)
     try:
@@ -231,7 +230,6 @@ def make_ctx(
     except ValueError:
         stages = []
         c.layers_ok = False
-    c.stage_layers = tuple(stages)
     c.layers_per_stage = max(stages) if c.layers_ok else 0
     c.chunk_ok = c.layers_ok and all(n % c.vp == 0 for n in stages)
     # With an uneven split the chunk size differs per stage; rules use the most-loaded stage's.

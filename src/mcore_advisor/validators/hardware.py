@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mcore_advisor.schemas import TrainingSpec
+
 from ._core import (
     CP,
     DIST_OPT,
@@ -24,8 +26,9 @@ from ._core import (
 
 AREA = "hardware"
 
-_FP8_RECIPE_DEFAULT = "delayed"
-_FP8_FORMAT_DEFAULT = "hybrid"
+# the schema's defaults: anything else means the user set an FP8 option
+_FP8_RECIPE_DEFAULT = TrainingSpec.model_fields["fp8_recipe"].default
+_FP8_FORMAT_DEFAULT = TrainingSpec.model_fields["fp8_format"].default
 
 
 def _fp8(c: Ctx) -> bool:
