@@ -69,29 +69,6 @@ def _findings_text(findings) -> str:
     return "\n".join(out)
 
 
-def _layout(plan) -> str:
-    p, t = plan.parallelism, plan.training
-    s = f"TP{p.tensor_model_parallel_size} PP{p.pipeline_model_parallel_size}"
-    if p.virtual_pipeline_model_parallel_size:
-        s += f" VP{p.virtual_pipeline_model_parallel_size}"
-    if p.context_parallel_size > 1:
-        s += f" CP{p.context_parallel_size}"
-    if p.expert_model_parallel_size > 1:
-        s += f" EP{p.expert_model_parallel_size}"
-    s += f" mbs{t.micro_batch_size}"
-    if p.sequence_parallel:
-        s += " SP"
-    if p.recompute_granularity:
-        s += f" rc:{p.recompute_granularity}"
-        if p.recompute_granularity == "full":
-            s += f"/{p.recompute_method}/{p.recompute_num_layers}"
-    if t.precision == "fp8":
-        s += " fp8"
-    return s
-
-
-# ---- subcommands -----------------------------------------------------------------------------
-
 def cmd_recommend(a: argparse.Namespace) -> None:
     import time
 
@@ -183,11 +160,12 @@ def cmd_mfu(a: argparse.Namespace) -> None:
         reported_tflops_per_gpu=a.tflops, claimed_mfu_pct=a.claimed_mfu,
     )
     rep = check_mfu(req)
-    _emit(rep, a.json, lambda r: r.summary_text() if hasattr(r, "summary_text") else r.model_dump_json(indent=2))
+    _emit(rep, a.json, lambda r: r.summary_text())
 
 
 def cmd_render(a: argparse.Namespace) -> None:
-    from mcore_advisor.tools.render import RenderRequest, render_launch_script
+    from mcore_advisor.launcher.spec import render_with_job_spec
+    from mcore_advisor.tools.render import RenderRequest
 
     opts: dict[str, Any] = {"plan": _load_plan(a.plan), "target": a.program, "launcher": a.target}
     for k in ("nodes", "gpus_per_node", "job_name", "megatron_lm_dir", "container_image", "slurm_account",
@@ -197,12 +175,8 @@ def cmd_render(a: argparse.Namespace) -> None:
             opts[k] = v
     if a.extra_args:
         opts["extra_args"] = a.extra_args
-    if a.program == "profile":
-        from mcore_advisor.launcher.spec import job_spec
-
-        opts["profile_spec"] = job_spec(opts["plan"])
     opts["invocation"] = "mcore-advisor " + " ".join(sys.argv[1:])
-    art = render_launch_script(RenderRequest(**opts))
+    art = render_with_job_spec(RenderRequest(**opts))
     _emit(art, a.json, lambda r: r.script.rstrip("\n"))
 
 

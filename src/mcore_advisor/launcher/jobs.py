@@ -27,6 +27,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.schemas import Finding, Plan
+from mcore_advisor.tools.evaluate import evaluate_plan
+from mcore_advisor.tools.memory import memory_breakdown
+from mcore_advisor.tools.mfu import MfuRequest, check_mfu
+from mcore_advisor.tools.perf import step_time
+from mcore_advisor.tools.render import RenderRequest, render_launch_script
+from mcore_advisor.validators import validate
 
 from .as_ran import as_ran
 from .backends.base import (
@@ -47,6 +53,7 @@ from .backends.base import (
     tail_text,
 )
 from .backends.local import LocalBackend, local_gpu_count
+from .spec import job_spec
 from .store import ACTIVE_STATES, JOB_STATES, JobRecord, JobStateName, JobStore, new_job_id, record_from
 
 log = logging.getLogger("mcore_advisor.launcher")
@@ -172,23 +179,14 @@ class JobList(BaseModel):
     jobs: list[JobSummary]
 
 
-# ---- optional collaborators (other modules; imported lazily so a missing one degrades) -----------
+# ---- the core's tools the job system calls ---------------------------------------------------
 
 
 def _plan_findings(plan: Plan) -> list[Finding]:
-    try:
-        from mcore_advisor.validators import validate  # type: ignore[attr-defined]
-    except ImportError:
-        log.warning("validators.validate is not available; submitting without plan validation")
-        return []
     return list(validate(plan))
 
 
 def _job_spec(plan: Plan, request: ProfileJobRequest) -> dict[str, Any]:
-    try:
-        from .spec import job_spec  # type: ignore[import-not-found]
-    except ImportError as exc:
-        raise BackendError("the profile job spec builder (launcher/spec.py) is not installed") from exc
     return dict(
         job_spec(
             plan,
@@ -201,11 +199,7 @@ def _job_spec(plan: Plan, request: ProfileJobRequest) -> dict[str, Any]:
 
 
 def _render_profile_script(plan: Plan, spec: dict[str, Any], artifact: JobArtifact) -> str | None:
-    """render_launch_script's sbatch script for the profile target, or None (the backend builds its own)."""
-    try:
-        from mcore_advisor.tools.render import RenderRequest, render_launch_script  # type: ignore[import-not-found]
-    except ImportError:
-        return None
+    """render_launch_script's sbatch script for the profile target."""
     try:
         node_size = gpu(plan.cluster.gpu).gpus_per_node
     except KeyError:
@@ -226,8 +220,6 @@ def _render_profile_script(plan: Plan, spec: dict[str, Any], artifact: JobArtifa
 
 def _predict(plan: Plan) -> dict[str, Any] | None:
     """evaluate_plan's answer at submit time (None where the core cannot evaluate the plan)."""
-    from mcore_advisor.tools.evaluate import evaluate_plan
-
     try:
         return evaluate_plan(plan).model_dump(mode="json")
     except (ValueError, KeyError) as exc:
@@ -247,9 +239,6 @@ def _as_ran_prediction(plan: Mapping[str, Any], result: Mapping[str, Any] | None
     if not ran.differences:
         return None, None
     try:
-        from mcore_advisor.tools.memory import memory_breakdown
-        from mcore_advisor.tools.perf import step_time
-
         perf = step_time(ran.plan)
         mem = memory_breakdown(ran.plan, output_layer_wgrad_fusion=ran.output_layer_wgrad_fusion)
     except (ValueError, KeyError) as exc:
@@ -272,10 +261,6 @@ def _drop_plans(value: Any) -> Any:
 
 def _diagnose(plan: Mapping[str, Any], log_text: str) -> dict[str, Any] | None:
     """check_mfu's reading of a failed job's log and error (OOM cause and fixes, NCCL timeouts, ...)."""
-    try:
-        from mcore_advisor.tools.mfu import MfuRequest, check_mfu
-    except ImportError:
-        return None
     try:
         report = check_mfu(MfuRequest(plan=Plan.model_validate(plan), log_text=log_text))
     except Exception as exc:  # a diagnosis is a bonus: it must never break get_job

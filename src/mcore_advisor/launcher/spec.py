@@ -13,6 +13,7 @@ from typing import Any
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.schemas import Plan, parallel_dims
+from mcore_advisor.tools.render import LaunchArtifact, RenderRequest, render_launch_script
 
 SPEC_VERSION = 1
 
@@ -102,3 +103,11 @@ def job_spec(
         },
         "plan": plan.model_dump(mode="json"),
     }
+
+
+def render_with_job_spec(request: RenderRequest) -> LaunchArtifact:
+    """render_launch_script, with the profile target's job spec built from the plan when not given
+    (the core renders it; building it is the launcher's part)."""
+    if request.target == "profile" and request.profile_spec is None:
+        request = request.model_copy(update={"profile_spec": job_spec(request.plan)})
+    return render_launch_script(request)

@@ -16,7 +16,7 @@ from mcp.types import ToolAnnotations
 
 from mcore_advisor import __version__
 from mcore_advisor.launcher import jobs
-from mcore_advisor.launcher.spec import job_spec
+from mcore_advisor.launcher.spec import render_with_job_spec
 from mcore_advisor.schemas import Plan
 from mcore_advisor.server.errors import tool_errors
 from mcore_advisor.server.resources import register_prompts, register_resources
@@ -29,7 +29,6 @@ from mcore_advisor.tools.mfu import check_mfu as _check_mfu
 from mcore_advisor.tools.recommend import Recommendation, RecommendRequest
 from mcore_advisor.tools.recommend import recommend_parallelism as _recommend
 from mcore_advisor.tools.render import LaunchArtifact, RenderRequest
-from mcore_advisor.tools.render import render_launch_script as _render
 
 INSTRUCTIONS = """\
 Plan, check, launch and profile NVIDIA Megatron-Core training runs.
@@ -72,9 +71,6 @@ def build_server(
             ),
         }
     mcp = MCPServer("mcore-advisor", version=__version__, instructions=INSTRUCTIONS, **auth_kwargs)
-
-    def _manager() -> jobs.JobManager:
-        return manager or jobs.default_manager()
 
     @mcp.tool(annotations=READ_ONLY)
     @tool_errors
@@ -127,9 +123,7 @@ def build_server(
         Every value is validated and shell-quoted; the script's header states the plan's predicted
         figures and each non-default flag is explained. Nothing is executed.
         """
-        if request.target == "profile" and request.profile_spec is None:
-            request = request.model_copy(update={"profile_spec": job_spec(request.plan)})
-        return _render(request)
+        return render_with_job_spec(request)
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=True))
     @tool_errors
@@ -139,13 +133,13 @@ def build_server(
         Poll get_job for state, log tail and measured-vs-predicted figures. dry_run=true shows the
         exact command without creating a job. An invalid plan creates no job.
         """
-        return jobs.run_profile_job(request, manager=_manager())
+        return jobs.run_profile_job(request, manager=manager)
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=False, open_world_hint=False))
     @tool_errors
     def get_job(job_id: str) -> jobs.JobStatus:
         """State, log tail, result and measured-vs-predicted comparison (% error per figure) of a profile job; failures come with a diagnosis."""
-        return jobs.get_job(job_id, manager=_manager())
+        return jobs.get_job(job_id, manager=manager)
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=False, open_world_hint=False))
     @tool_errors
@@ -154,13 +148,13 @@ def build_server(
         limit: int = 20,
     ) -> jobs.JobList:
         """Profile jobs, newest first, optionally filtered by state."""
-        return jobs.list_jobs(state, limit, manager=_manager())
+        return jobs.list_jobs(state, limit, manager=manager)
 
     @mcp.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=True))
     @tool_errors
     def cancel_job(job_id: str) -> jobs.JobStatus:
         """Cancel a pending or running profile job (its process group or Slurm job is stopped); returns the final state."""
-        return jobs.cancel_job(job_id, manager=_manager())
+        return jobs.cancel_job(job_id, manager=manager)
 
     register_resources(mcp)
     register_prompts(mcp)
