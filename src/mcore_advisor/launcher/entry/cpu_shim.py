@@ -112,7 +112,3 @@ def install(spoof_tensor_type: bool = True) -> None:
     torch.cuda.random.get_rng_state = torch.cuda.get_rng_state
     _mode = _CudaToCpu(spoof_tensor_type)
     _mode.__enter__()
-
-
-def installed() -> bool:
-    return _mode is not None
