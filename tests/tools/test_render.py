@@ -487,3 +487,15 @@ def test_rendered_args_files_for_the_gpu_check_are_current():
     meta, env_set, argv = mod.read_args_file(mod.ARGS_DIR / "01_llama3-8b_tp2_sp.txt")
     assert (meta["world_size"], meta["arch"]) == ("8", "9") and "CUDA_DEVICE_MAX_CONNECTIONS=1" in env_set
     assert argv[:2] == ["--tensor-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_rendered_argv_lets_megatron_size_its_validation_set(name):
+    """Megatron-LM 0.19 computes (train_iters // eval_interval + 1) * eval_iters before the first step:
+    a script with --eval-iters but no --eval-interval crashed there (TypeError on None)."""
+    argv = _render(PLANS[name], allow_invalid=True).megatron_args
+    interval = int(_flag_values(argv, "--eval-interval")[0])
+    iters = int(_flag_values(argv, "--eval-iters")[0])
+    train_iters = int(_flag_values(argv, "--train-iters")[0])
+    assert interval >= 1
+    assert (train_iters // interval + 1) * iters == 0  # no validation batches when none were asked for

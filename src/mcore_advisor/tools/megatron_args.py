@@ -291,7 +291,13 @@ def run_flags(plan: Plan, shape: ModelShape, req: RenderRequest, run_dir: str) -
             _f("--eval-iters", req.eval_iters, why="eval_iters: batches per validation"),
         ]
     else:
-        flags.append(_f("--eval-iters", 0, why="no eval_interval: skip validation (Megatron would run 100 batches at the end)"))
+        # Megatron-LM 0.19 sizes the validation set as (train_iters // eval_interval + 1) * eval_iters
+        # before training, so eval_interval may not stay None (TypeError in
+        # get_train_valid_test_num_samples); eval_iters 0 then turns validation off (do_valid False).
+        flags += [
+            _f("--eval-interval", req.train_iters, why="no eval_interval: Megatron needs one to size the validation set"),
+            _f("--eval-iters", 0, why="no eval_interval: skip validation (Megatron would run 100 batches at the end)"),
+        ]
     if req.save_dir:
         flags += [
             _f("--save", req.save_dir, why="save_dir: checkpoint directory"),

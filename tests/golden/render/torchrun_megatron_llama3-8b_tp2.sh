@@ -97,6 +97,8 @@ PROGRAM_ARGS=(
   --adam-beta2 0.95
   # gradient clipping at norm 1.0 (Megatron's default, kept explicit)
   --clip-grad 1
+  # no eval_interval: Megatron needs one to size the validation set
+  --eval-interval 50
   # no eval_interval: skip validation (Megatron would run 100 batches at the end)
   --eval-iters 0
   # log_interval: steps between log lines
