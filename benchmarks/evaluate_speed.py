@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.memory import memory_breakdown
+from mcore_advisor.physics.step_time import hardware_params, step_time, step_time_arrays
 from mcore_advisor.schemas import ClusterSpec, ModelSpec, ParallelismSpec, Plan, TrainingSpec
 from mcore_advisor.tools.evaluate import evaluate_plan
-from mcore_advisor.tools.memory import memory_breakdown
-from mcore_advisor.tools.perf import hardware_params, step_time, step_time_arrays
 from mcore_advisor.validators import validate
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"

@@ -1,4 +1,4 @@
-"""Kernel-level measurements behind the efficiency parameters of tools/perf.py (runs on a GPU machine).
+"""Kernel-level measurements behind the efficiency parameters of physics/step_time.py (runs on a GPU machine).
 
 Measures, on the GPU it runs on, with torch only (no Transformer Engine, no Megatron):
   - bf16 GEMM rate over transformer-shaped (M, N, K) problems (TP splits, small token counts),

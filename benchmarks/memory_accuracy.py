@@ -1,4 +1,4 @@
-"""Accuracy of tools/memory.memory_breakdown against measured peak memory.
+"""Accuracy of physics/memory.memory_breakdown against measured peak memory.
 
 Rows:
 1. shared/data/device-measurements-h200.jsonl: megatron-core 0.19.2, local spec on one H200
@@ -17,7 +17,7 @@ Rows:
    'native' and fuses the loss only on a GPU.
 
 Peak reserved (max_memory_reserved) is compared too where the source gives it: the error of the
-fragmentation allowance (tools.memory.fragmentation_fraction) on top of the allocated figure.
+fragmentation allowance (physics.memory.fragmentation_fraction) on top of the allocated figure.
 
 The predictor never sees these numbers; only this script reads them.
 
@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 from mcore_advisor.launcher.as_ran import as_ran
+from mcore_advisor.physics.memory import memory_breakdown
 from mcore_advisor.schemas import (
     ClusterSpec,
     ImplementationSpec,
@@ -41,7 +42,6 @@ from mcore_advisor.schemas import (
     Plan,
     TrainingSpec,
 )
-from mcore_advisor.tools.memory import memory_breakdown
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _probe import probe_plan  # noqa: E402  (benchmarks/ is not a package)

@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+from mcore_advisor.diagnosis.logparse import parse_log
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.runs import plan_for_run, published_runs
-from mcore_advisor.tools.logparse import parse_log
 from mcore_advisor.tools.mfu import MfuRequest, check_mfu
 
 ROOT = Path(__file__).resolve().parents[1]

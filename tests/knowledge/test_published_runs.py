@@ -70,7 +70,7 @@ def test_published_mfu_is_tflops_over_the_dense_peak():
 
 def flops_per_token(shape, seq, convention, tp=1):
     """Megatron's num_floating_point_operations per token (megatron/training/training.py), written
-    out independently of tools/flops.py: 6 x (every GEMM weight a token passes) + core attention,
+    out independently of physics/flops.py: 6 x (every GEMM weight a token passes) + core attention,
     causal = half the s x s matrix; 'full+recompute' adds the recomputed forward of the layers
     (Narayanan 2021 eq. 3)."""
     assert not shape.multi_latent_attention

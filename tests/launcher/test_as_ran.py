@@ -6,9 +6,9 @@ import pytest
 
 from mcore_advisor.launcher import jobs
 from mcore_advisor.launcher.as_ran import as_ran
+from mcore_advisor.physics.memory import memory_breakdown
+from mcore_advisor.physics.step_time import step_time
 from mcore_advisor.schemas import ClusterSpec, ModelSpec, Plan, TrainingSpec, with_changes
-from mcore_advisor.tools.memory import memory_breakdown
-from mcore_advisor.tools.perf import step_time
 
 PLAN = Plan(model=ModelSpec(name="gpt3-1.3b"), cluster=ClusterSpec(gpu="h200", num_gpus=1),
             training=TrainingSpec(seq_length=2048, global_batch_size=32, micro_batch_size=8))

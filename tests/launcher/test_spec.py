@@ -16,7 +16,7 @@ from mcore_advisor.launcher.entry.trainlog import iteration_line, memory_line
 from mcore_advisor.launcher.spec import job_spec
 from mcore_advisor.schemas import ModelSpec, Plan
 
-tools_flops = pytest.importorskip("mcore_advisor.tools.flops")
+tools_flops = pytest.importorskip("mcore_advisor.physics.flops")
 
 
 def _plan(**kw) -> Plan:

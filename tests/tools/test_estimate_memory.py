@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from mcore_advisor.physics.memory import memory_breakdown
 from mcore_advisor.schemas import (
     ClusterSpec,
     ImplementationSpec,
@@ -13,7 +14,6 @@ from mcore_advisor.schemas import (
     TrainingSpec,
 )
 from mcore_advisor.tools.estimate_memory import estimate_memory
-from mcore_advisor.tools.memory import memory_breakdown
 
 
 def _llama70b(tp=4, pp=2, **par):

@@ -26,11 +26,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import gpu
+from mcore_advisor.physics.memory import memory_breakdown
+from mcore_advisor.physics.step_time import step_time
 from mcore_advisor.schemas import Finding, Plan
 from mcore_advisor.tools.evaluate import evaluate_plan
-from mcore_advisor.tools.memory import memory_breakdown
 from mcore_advisor.tools.mfu import MfuRequest, check_mfu
-from mcore_advisor.tools.perf import step_time
 from mcore_advisor.tools.render import RenderRequest, render_launch_script
 from mcore_advisor.validators import validate
 
@@ -272,7 +272,7 @@ def _diagnose(plan: Mapping[str, Any], log_text: str) -> dict[str, Any] | None:
 
 # ---- figures ---------------------------------------------------------------------------------
 
-# evaluate_plan nests tools/perf.py PerfEstimate and tools/memory.py MemoryBreakdown; these are their names.
+# evaluate_plan nests physics/step_time.py PerfEstimate and physics/memory.py MemoryBreakdown; these are their names.
 _PREDICTED_KEYS: dict[str, tuple[str, ...]] = {
     "iteration_time_s": ("iteration_time_s",),
     "tokens_per_s_per_gpu": ("tokens_per_s_per_gpu",),

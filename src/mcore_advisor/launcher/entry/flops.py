@@ -1,12 +1,12 @@
 """Megatron's model FLOPs per iteration, dependency-free, for the profile job.
 
-A minimal copy of tools/flops.py (which the job cannot import: it needs pydantic). Both follow
+A minimal copy of physics/flops.py (which the job cannot import: it needs pydantic). Both follow
 `num_floating_point_operations` / `transformer_flops` in Megatron-LM megatron/training/training.py:
 every GEMM x2 (multiply-add) x3 (forward, data-gradient, weight-gradient); norms, softmax,
 activations, router and the embedding lookup are not counted; recompute is not counted.
 'causal' counts half of the s x s core-attention matrix (Megatron since 2025-03, what 0.12+ logs);
 'full' counts all of it (older Megatron, NeMo 24.x, Narayanan 2021). The test
-tests/launcher/test_spec.py asserts this equals tools.flops.flops_per_iteration.
+tests/launcher/test_spec.py asserts this equals physics.flops.flops_per_iteration.
 
 `model` is a resolved ModelShape dumped to a dict (spec["model"]).
 """

@@ -7,10 +7,9 @@ import math
 import pytest
 
 from mcore_advisor.knowledge.models import count_params, resolve_model
-from mcore_advisor.schemas import ClusterSpec, ModelSpec
-from mcore_advisor.tools.memory import CUDA_CONTEXT_GIB, memory_breakdown
-from mcore_advisor.tools.perf import step_time
-from mcore_advisor.tools.recommend import (
+from mcore_advisor.physics.memory import CUDA_CONTEXT_GIB, memory_breakdown
+from mcore_advisor.physics.step_time import step_time
+from mcore_advisor.planning.recommend import (
     FixedParallelism,
     Recommendation,
     RecommendRequest,
@@ -19,6 +18,7 @@ from mcore_advisor.tools.recommend import (
     recommend_parallelism,
     request_from_options,
 )
+from mcore_advisor.schemas import ClusterSpec, ModelSpec
 from mcore_advisor.validators import errors, validate
 
 
@@ -271,8 +271,8 @@ def test_text_report_lists_the_plans_and_the_search():
 
 def test_the_nearest_published_run_prefers_the_plan_s_precision():
     from mcore_advisor.knowledge.models import resolve_model
+    from mcore_advisor.planning.recommend import _precision_family, nearest_published_run
     from mcore_advisor.schemas import ClusterSpec, ModelSpec
-    from mcore_advisor.tools.recommend import _precision_family, nearest_published_run
 
     shape = resolve_model(ModelSpec(name="llama3-70b"))
     cluster = ClusterSpec(gpu="h100-sxm", num_gpus=64)

@@ -6,6 +6,14 @@ import numpy as np
 import pytest
 
 from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics import step_time as perf
+from mcore_advisor.physics.step_time import (
+    hardware_params,
+    pipeline_bubble_fraction,
+    ring_collective_s,
+    step_time,
+    step_time_arrays,
+)
 from mcore_advisor.schemas import (
     ClusterSpec,
     ImplementationSpec,
@@ -13,14 +21,6 @@ from mcore_advisor.schemas import (
     ParallelismSpec,
     Plan,
     TrainingSpec,
-)
-from mcore_advisor.tools import perf
-from mcore_advisor.tools.perf import (
-    hardware_params,
-    pipeline_bubble_fraction,
-    ring_collective_s,
-    step_time,
-    step_time_arrays,
 )
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from mcore_advisor.knowledge.models import resolve_model
-from mcore_advisor.schemas import ModelSpec
-from mcore_advisor.tools.flops import (
+from mcore_advisor.physics.flops import (
     flops_per_iteration,
     flops_per_token_breakdown,
     gpt3_closed_form_flops,
     hardware_flops_per_iteration,
 )
+from mcore_advisor.schemas import ModelSpec
 
 
 def _shape(**kw):

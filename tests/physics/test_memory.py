@@ -9,15 +9,7 @@ from pathlib import Path
 import pytest
 
 from mcore_advisor.knowledge.models import resolve_model
-from mcore_advisor.schemas import (
-    ClusterSpec,
-    ImplementationSpec,
-    ModelSpec,
-    ParallelismSpec,
-    Plan,
-    TrainingSpec,
-)
-from mcore_advisor.tools.memory import (
+from mcore_advisor.physics.memory import (
     GIB,
     ActivationOptions,
     cross_entropy_peak_bytes_per_logit,
@@ -25,6 +17,14 @@ from mcore_advisor.tools.memory import (
     layer_activation_terms,
     memory_breakdown,
     rank_params,
+)
+from mcore_advisor.schemas import (
+    ClusterSpec,
+    ImplementationSpec,
+    ModelSpec,
+    ParallelismSpec,
+    Plan,
+    TrainingSpec,
 )
 
 GPT_1P3B = dict(num_layers=24, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=32768,
@@ -248,7 +248,7 @@ def test_first_stage_is_most_loaded_for_llama3_70b_1f1b():
 
 
 def test_cross_entropy_bytes_per_logit_follow_each_implementation():
-    # Hand count (tools/memory.py cross_entropy_peak_bytes_per_logit): unfused = bf16 logits 2 +
+    # Hand count (physics/memory.py cross_entropy_peak_bytes_per_logit): unfused = bf16 logits 2 +
     # in-place fp32 copy 4; native fused = + Inductor's out-of-place fp32 buffer 4; TE = in place.
     assert cross_entropy_peak_bytes_per_logit(False, "native") == 6.0
     assert cross_entropy_peak_bytes_per_logit(False, "te") == 6.0  # the impl only matters when fused

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_advisor.tools.logparse import (
+from mcore_advisor.diagnosis.logparse import (
     DEFAULT_MAX_ITERATION_RECORDS,
     DEFAULT_MAX_SCAN_CHARS,
     clean_line,

@@ -19,16 +19,16 @@ How one search runs (`search(inputs)`):
    optimizer on/off x recompute option (none; selective = Megatron's default core_attn; full
    'block' with k = 1..layers-per-chunk; full 'uniform' with every group size that tiles the
    chunks). Memory of all of them is computed at once by `_memory_total_gib`, a numpy replica of
-   `tools.memory.memory_breakdown` built from that module's own per-layer functions (a test keeps
+   `physics.memory.memory_breakdown` built from that module's own per-layer functions (a test keeps
    the two equal). The block sweep is solved in closed form: memory falls linearly with k, so the
    smallest k that fits is computed, not searched.
-3. Timing. Recomputing more never runs faster (`tools.perf` adds the rerun forward and at most
+3. Timing. Recomputing more never runs faster (`physics.step_time` adds the rerun forward and at most
    hides the same amount of DP communication behind it), so per (layout, micro-batch, optimizer)
    only the fastest-possible fitting options are timed: no recompute if it fits, otherwise
    selective and the smallest fitting block k, otherwise the smallest fitting uniform group.
-   Likewise the distributed optimizer never needs more memory and is never slower in tools.perf,
+   Likewise the distributed optimizer never needs more memory and is never slower in physics.step_time,
    so optimizer-off variants are dominated unless pinned (tests check both premises). The rest
-   are counted as dominated. Timing is one `tools.perf.step_time_arrays` call per precision over
+   are counted as dominated. Timing is one `physics.step_time.step_time_arrays` call per precision over
    all of them.
 
 Every count lands in `SearchStats`; configurations_enumerated = rejected + over memory +
@@ -45,8 +45,7 @@ from typing import Literal
 import numpy as np
 
 from mcore_advisor.knowledge.hardware import GpuSpec
-from mcore_advisor.schemas import ClusterSpec, ImplementationSpec, ModelShape, layers_per_stage
-from mcore_advisor.tools.memory import (
+from mcore_advisor.physics.memory import (
     CUDA_CONTEXT_GIB,
     GIB,
     MISC_ALLOCATED_BYTES,
@@ -61,7 +60,8 @@ from mcore_advisor.tools.memory import (
     rank_params,
     te_dummy_wgrad_bytes,
 )
-from mcore_advisor.tools.perf import HardwareParams, step_time_arrays
+from mcore_advisor.physics.step_time import HardwareParams, step_time_arrays
+from mcore_advisor.schemas import ClusterSpec, ImplementationSpec, ModelShape, layers_per_stage
 from mcore_advisor.validators import layout_errors
 
 # Recompute option codes in the candidate table.
@@ -181,7 +181,7 @@ def divisors(n: int) -> list[int]:
 def uneven_splits(num_layers: int, pp: int) -> list[tuple[int | None, int | None, tuple[int, ...]]]:
     """Uneven (first, last, VPs) stage splits to search when num_layers does not divide by PP.
 
-    Every split keeps the most-loaded stage at ceil(L / PP) layers (what tools.perf times) and the
+    Every split keeps the most-loaded stage at ceil(L / PP) layers (what physics.step_time times) and the
     middle stages equal (Megatron's --decoder-first/last-pipeline-num-layers); the first and last
     stages are lighter, as they also hold the embedding and the loss (Llama-3.1-405B: 126 layers on
     PP16 = 7 + 14 x 8 + 7). Interleaving needs every stage divisible by VP, so for each VP the most
@@ -274,7 +274,7 @@ def _act(shape: ModelShape, seq: int, tp: int, cp: int, sp: bool, ep: int, etp: 
 
 
 # ---------------------------------------------------------------------------------------------
-# Vectorised memory (a replica of tools.memory.memory_breakdown's assembly)
+# Vectorised memory (a replica of physics.memory.memory_breakdown's assembly)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -613,7 +613,7 @@ def _score(inp: SearchInputs, st: SearchStats, layouts: list[Layout], cols: dict
     M = gbs // (mbs * dp_i[keep])
     bad = (vp_i > 1) & (M % pp_i != 0)
     _add(st.configurations_rejected_by_rule, "interleaved_microbatches_not_divisible_by_pp", int(n_opts[bad].sum()))
-    # The distributed optimizer shards the Adam state (never more memory) and in tools.perf moves
+    # The distributed optimizer shards the Adam state (never more memory) and in physics.step_time moves
     # the same bytes as the all-reduce with a 1/DP-sized Adam step (never slower; a test checks
     # this), so optimizer-off variants are dominated unless pinned.
     dom_dist = ~dist & (f.dist_opt is None) & ~bad

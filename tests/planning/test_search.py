@@ -1,5 +1,5 @@
-"""The layout search engine: its memory replica equals tools.memory, its dominance premises hold in
-tools.perf, its uneven splits are Megatron's, and its counts add up."""
+"""The layout search engine: its memory replica equals physics.memory, its dominance premises hold in
+physics.step_time, its uneven splits are Megatron's, and its counts add up."""
 
 from __future__ import annotations
 
@@ -10,17 +10,9 @@ import pytest
 
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
-from mcore_advisor.schemas import (
-    ClusterSpec,
-    ImplementationSpec,
-    ModelSpec,
-    ParallelismSpec,
-    Plan,
-    TrainingSpec,
-)
-from mcore_advisor.tools.memory import memory_breakdown
-from mcore_advisor.tools.perf import hardware_params, step_time, step_time_arrays
-from mcore_advisor.tools.search import (
+from mcore_advisor.physics.memory import memory_breakdown
+from mcore_advisor.physics.step_time import hardware_params, step_time, step_time_arrays
+from mcore_advisor.planning.search import (
     RC_BLOCK,
     RC_NONE,
     RC_SELECTIVE,
@@ -28,6 +20,14 @@ from mcore_advisor.tools.search import (
     SearchInputs,
     search,
     uneven_splits,
+)
+from mcore_advisor.schemas import (
+    ClusterSpec,
+    ImplementationSpec,
+    ModelSpec,
+    ParallelismSpec,
+    Plan,
+    TrainingSpec,
 )
 
 SMALL_GPT = dict(num_layers=12, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096, vocab_size=32000)
@@ -119,7 +119,7 @@ def test_smallest_fitting_block_k_is_the_boundary():
 
 
 def test_distributed_optimizer_is_never_slower_in_the_time_model():
-    # Premise of counting optimizer-off variants as dominated (tools/search.py).
+    # Premise of counting optimizer-off variants as dominated (planning/search.py).
     shape = resolve_model(ModelSpec(name="llama3-70b"))
     hw = hardware_params(ClusterSpec(gpu="h100-sxm", num_gpus=512))
     tp, pp, cp = np.meshgrid([1, 2, 4, 8], [1, 2, 4, 8], [1, 2], indexing="ij")

@@ -24,11 +24,12 @@ from _render_cases import (
     slurm_job_env,
 )
 
+from mcore_advisor.physics.memory import memory_breakdown
+from mcore_advisor.physics.step_time import step_time
+from mcore_advisor.rendering import render as render_mod
+from mcore_advisor.rendering.render import render_launch_script
+from mcore_advisor.rendering.request import RenderRequest
 from mcore_advisor.schemas import Plan
-from mcore_advisor.tools import render as render_mod
-from mcore_advisor.tools.memory import memory_breakdown
-from mcore_advisor.tools.perf import step_time
-from mcore_advisor.tools.render import RenderRequest, render_launch_script
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "render"
 

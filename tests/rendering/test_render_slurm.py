@@ -21,8 +21,9 @@ import pytest
 from _render_cases import DENSE
 
 from mcore_advisor.launcher.spec import job_spec
+from mcore_advisor.rendering.render import render_launch_script
+from mcore_advisor.rendering.request import RenderRequest
 from mcore_advisor.schemas import Plan
-from mcore_advisor.tools.render import RenderRequest, render_launch_script
 
 VENV_BIN = Path(sys.executable).parent
 SLURM_RUN_DIR = Path(os.environ.get("SLURM_RUN_DIR", "/tmp/mcore-advisor-slurm"))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from mcore_advisor.physics.memory import memory_breakdown
+from mcore_advisor.physics.step_time import step_time
 from mcore_advisor.schemas import Plan
-from mcore_advisor.tools.memory import memory_breakdown
-from mcore_advisor.tools.perf import step_time
 
 
 def _plan(first=None, last=None) -> Plan:

@@ -21,7 +21,7 @@ from mcore_advisor.knowledge.models import catalog_model
 from mcore_advisor.schemas import ModelShape, Plan, parallel_dims
 
 if TYPE_CHECKING:
-    from mcore_advisor.tools.render import RenderRequest
+    from mcore_advisor.rendering.request import RenderRequest
 
 # Megatron-LM's parser defaults that decide whether a flag is needed (arguments.py, 0.19.2).
 _MEGATRON_DEFAULT_MAKE_VOCAB_DIVISIBLE_BY = 128

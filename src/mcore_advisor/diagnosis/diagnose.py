@@ -11,24 +11,24 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mcore_advisor.knowledge.hardware import gpu
-from mcore_advisor.knowledge.models import resolve_model
-from mcore_advisor.schemas import Finding, ModelShape, Plan, parallel_dims, with_changes
-from mcore_advisor.tools.evaluate import Evaluation, evaluate_plan
-from mcore_advisor.tools.flops import flops_per_token_breakdown
-from mcore_advisor.tools.logparse import (
+from mcore_advisor.diagnosis.logparse import (
     IterationTimeStats,
     MemoryReport,
     OomEvent,
     ParsedLog,
     TheoreticalMemory,
 )
-from mcore_advisor.tools.perf import PerfEstimate, pipeline_bubble_fraction
+from mcore_advisor.knowledge.hardware import gpu
+from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.evaluate import Evaluation, evaluate_plan
+from mcore_advisor.physics.flops import flops_per_token_breakdown
+from mcore_advisor.physics.step_time import PerfEstimate, pipeline_bubble_fraction
+from mcore_advisor.planning.plan_changes import candidate_changes
+from mcore_advisor.schemas import Finding, ModelShape, Plan, parallel_dims
 
 _RESULT = ConfigDict(frozen=True)
 
@@ -100,115 +100,6 @@ class OomDiagnosis(BaseModel):
     theoretical_memory: TheoreticalMemory | None = None
     fixes: list[FixSuggestion] = Field(default_factory=list, description="Plans that fit first (fastest first), then the rest by memory saved.")
     findings: list[Finding] = Field(default_factory=list)
-
-
-def _fmt(v) -> str:
-    return "None" if v is None else str(v)
-
-
-Candidate = tuple[str, list[str], Plan, str | None]
-
-
-def _divisors_up(n: int, start: int, limit: int) -> list[int]:
-    return [d for d in range(start + 1, limit + 1) if n % d == 0]
-
-
-def candidate_changes(plan: Plan, shape: ModelShape, purpose: Literal["speed", "memory"]) -> Iterator[Candidate]:
-    """Single plan changes worth evaluating; each as (description, fields, changed plan, caveat).
-
-    Layout changes keep the GPU count (DP absorbs TP/PP/CP changes); validity is checked later."""
-    return (c for c in _candidates(plan, shape, purpose) if c is not None)
-
-
-def _candidates(plan: Plan, shape: ModelShape, purpose: Literal["speed", "memory"]) -> Iterator[Candidate | None]:
-    p, t, im = plan.parallelism, plan.training, plan.implementation
-    dims = parallel_dims(plan)
-    g = gpu(plan.cluster.gpu)
-
-    def ch(section: str, caveat: str | None = None, **kv) -> Candidate | None:
-        cur = getattr(plan, section)
-        kv = {k: v for k, v in kv.items() if getattr(cur, k) != v}
-        if not kv:
-            return None
-        desc = ", ".join(f"{section}.{k} {_fmt(getattr(cur, k))} -> {_fmt(v)}" for k, v in kv.items())
-        try:
-            changed = with_changes(plan, section, **kv)
-        except ValueError:  # outside a field's range (e.g. CP beyond 1024): not a candidate
-            return None
-        return desc, [f"{section}.{k}" for k in kv], changed, caveat
-
-    # Interleaved pipeline: fewer bubbles (Narayanan 2021: bubble (p-1)/(v*m)).
-    if dims.pp > 1:
-        per_stage = shape.num_layers // dims.pp
-        cur_vp = p.virtual_pipeline_model_parallel_size or 1
-        for vp in [v for v in _divisors_up(per_stage, cur_vp, per_stage) if v in (2, 3, 4, 5, 6, 8)][:3]:
-            yield ch("parallelism", virtual_pipeline_model_parallel_size=vp)
-    # Micro-batch: bigger GEMMs vs more memory / fewer micro-batches to hide the bubble.
-    for b in (t.micro_batch_size * 2, t.micro_batch_size // 2):
-        if b >= 1 and b != t.micro_batch_size:
-            yield ch("training", micro_batch_size=b)
-    # Recompute ladder.
-    rg = p.recompute_granularity
-    if purpose == "speed":
-        if rg == "full":
-            yield ch("parallelism", recompute_granularity="selective", recompute_method=None, recompute_num_layers=None, recompute_modules=None)
-            yield ch("parallelism", recompute_granularity=None, recompute_method=None, recompute_num_layers=None, recompute_modules=None)
-        elif rg == "selective":
-            yield ch("parallelism", recompute_granularity=None, recompute_modules=None)
-    else:
-        if rg is None:
-            yield ch("parallelism", recompute_granularity="selective")
-        if rg != "full":
-            yield ch("parallelism", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, recompute_modules=None)
-    # Tensor parallelism: smaller TP for bigger GEMMs and less exposed communication; larger for memory.
-    if purpose == "speed" and dims.tp > 1:
-        tp = dims.tp // 2
-        yield ch("parallelism", tensor_model_parallel_size=tp, sequence_parallel=p.sequence_parallel and tp > 1,
-                 tp_comm_overlap=p.tp_comm_overlap and tp > 1)
-    if purpose == "memory" and dims.tp * 2 <= g.gpus_per_node:
-        yield ch("parallelism", tensor_model_parallel_size=dims.tp * 2, sequence_parallel=True)
-    if dims.tp > 1 and not p.sequence_parallel:
-        yield ch("parallelism", sequence_parallel=True)
-    if purpose == "speed" and dims.tp > 1 and p.sequence_parallel and not p.tp_comm_overlap and im.transformer_impl == "transformer_engine":
-        yield ch("parallelism", tp_comm_overlap=True, caveat="needs Transformer Engine userbuffers (and --tp-comm-overlap support on the cluster)")
-    # Pipeline: more stages for memory.
-    if purpose == "memory" and shape.num_layers % (dims.pp * 2) == 0:
-        yield ch("parallelism", pipeline_model_parallel_size=dims.pp * 2)
-    # Data-parallel plumbing.
-    if not p.use_distributed_optimizer and dims.dp * dims.cp > 1:
-        yield ch("parallelism", use_distributed_optimizer=True)
-    if purpose == "speed":
-        if not p.overlap_grad_reduce and dims.dp * dims.cp > 1:
-            yield ch("parallelism", overlap_grad_reduce=True)
-        if not p.overlap_param_gather and p.use_distributed_optimizer and dims.dp * dims.cp > 1:
-            yield ch("parallelism", overlap_param_gather=True)
-    # Context / expert parallel.
-    if dims.cp > 1 and purpose == "speed":
-        yield ch("parallelism", context_parallel_size=dims.cp // 2)
-    if purpose == "memory" and t.seq_length >= 8192:
-        yield ch("parallelism", context_parallel_size=dims.cp * 2)
-    if shape.is_moe and shape.num_experts:
-        for ep in (dims.ep * 2, dims.ep // 2):
-            if ep >= 1 and ep != dims.ep and shape.num_experts % ep == 0:
-                yield ch("parallelism", expert_model_parallel_size=ep)
-    # Kernels and precision.
-    if im.attention_backend in ("unfused", "local") or im.transformer_impl == "local":
-        if im.transformer_impl == "local":
-            yield ch("implementation", transformer_impl="transformer_engine", attention_backend="flash",
-                     caveat="needs Transformer Engine installed (its fused LayerNorm-linear, activation and cuDNN attention kernels)")
-        else:
-            yield ch("implementation", attention_backend="flash")
-    if purpose == "speed" and t.precision == "bf16" and g.fp8_dense_tflops and im.transformer_impl == "transformer_engine":
-        yield ch("training", precision="fp8", caveat="changes numerics: validate the loss curve against bf16 first")
-    if purpose == "speed" and not im.gradient_accumulation_fusion and not im.use_torch_fsdp2:
-        yield ch("implementation", gradient_accumulation_fusion=True,
-                 caveat="Megatron's own linear layers need Apex's fused_weight_gradient_mlp_cuda (NGC images ship it); "
-                        "Transformer Engine layers accumulate into main_grad natively")
-    if purpose == "memory" and not im.expandable_segments:
-        yield ch("implementation", expandable_segments=True, caveat="environment variable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; not with CUDA graphs in older PyTorch")
-    if im.grad_reduce_in_fp32:
-        yield ch("implementation", grad_reduce_in_fp32=False,
-                 caveat="last resort: bf16 gradient reduction loses precision over many data-parallel ranks")
 
 
 def _last_resort(f: FixSuggestion) -> bool:
@@ -298,7 +189,7 @@ def _components(plan: Plan, shape: ModelShape, perf: PerfEstimate, step_s: float
 
 
 def low_mfu(plan: Plan, measured_step_s: float | None, parsed: ParsedLog | None = None) -> LowMfuDiagnosis:
-    """Decompose the step time and rank speed fixes (see diagnose_low_mfu in tools/mfu.py)."""
+    """Decompose the step time and rank speed fixes (see diagnose_low_mfu in diagnosis/mfu.py)."""
     shape = resolve_model(plan.model)
     notes: list[str] = []
     pre = evaluate_plan(plan)

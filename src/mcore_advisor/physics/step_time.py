@@ -12,7 +12,7 @@ step_time_arrays(shape, hardware, seq_length, global_batch_size, **layout) -> di
     one call scores thousands of candidate layouts (a recommender's inner loop). Returns
     `iteration_time_s`, `tokens_per_s_per_gpu` and every breakdown term as arrays.
     `hardware_params(plan.cluster)` gives the `hardware` argument; resolve the shape once.
-    Divisibility and memory are not checked here (validators.layout_errors and tools.memory do).
+    Divisibility and memory are not checked here (validators.layout_errors and physics.memory do).
 
 Model (per GPU of the slowest pipeline stage, per micro-batch, then the 1F1B schedule):
 - GEMMs: per-GEMM time on its real (M, N, K) after TP/CP/EP splits: FLOPs at the GPU's sustained
@@ -60,13 +60,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import GpuSpec, gpu
 from mcore_advisor.knowledge.models import linear_weights, resolve_model
-from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, layers_per_stage, parallel_dims
-from mcore_advisor.tools.flops import (
+from mcore_advisor.physics.flops import (
     attention_flops_per_token_per_layer,
     flops_per_iteration,
     hardware_flops_per_iteration,
     recomputed_layer_fraction,
 )
+from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, layers_per_stage, parallel_dims
 
 # ---------------------------------------------------------------------------------------------
 # Efficiency parameters. Kernel-level ones were fitted on benchmarks/kernel_probe.py and

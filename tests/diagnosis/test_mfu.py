@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from mcore_advisor.diagnosis.mfu import MfuRequest, check_mfu
+from mcore_advisor.physics.step_time import step_time
 from mcore_advisor.schemas import (
     ClusterSpec,
     ImplementationSpec,
@@ -15,8 +17,6 @@ from mcore_advisor.schemas import (
     Plan,
     TrainingSpec,
 )
-from mcore_advisor.tools.mfu import MfuRequest, check_mfu
-from mcore_advisor.tools.perf import step_time
 from mcore_advisor.validators import errors, validate
 
 LOGS = Path(__file__).resolve().parents[1] / "fixtures" / "logs"

@@ -1,0 +1,160 @@
+"""evaluate_plan(plan): validation findings + resolved model + parallel layout + memory + step time.
+
+One call answers "is this plan runnable, does it fit, how fast is it, and where does the time go".
+Pure and fast (about a millisecond for a 405B plan: benchmarks/evaluate_speed.py measures it).
+For searching thousands of layouts use the array paths instead: validators.layout_errors,
+physics.step_time.step_time_arrays.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mcore_advisor.knowledge.hardware import gpu
+from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.memory import MemoryBreakdown, memory_breakdown
+from mcore_advisor.physics.step_time import PerfEstimate, step_time
+from mcore_advisor.schemas import Finding, ModelShape, Plan, parallel_dims
+from mcore_advisor.validators import validate
+
+
+class ParallelSummary(BaseModel):
+    """The layout Megatron will build: derived degrees and micro-batching."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int = Field(description="Model chunks per stage; 1 = not interleaved.")
+    context_parallel_size: int
+    expert_model_parallel_size: int
+    expert_tensor_parallel_size: int
+    data_parallel_size: int = Field(description="num_gpus / (TP * PP * CP).")
+    expert_data_parallel_size: int = Field(description="num_gpus / (ETP * EP * PP): replicas of each expert.")
+    num_microbatches: int = Field(description="global_batch_size / (micro_batch_size * data_parallel_size).")
+    num_gpus: int
+    gpus_per_node: int
+    num_nodes: int
+
+
+class Evaluation(BaseModel):
+    """What evaluate_plan returns. `feasible` = no error finding and the plan fits in memory."""
+
+    model_config = ConfigDict(frozen=True)
+
+    feasible: bool
+    findings: list[Finding] = Field(description="Validation findings: errors block the plan, warnings and info explain it.")
+    model: ModelShape = Field(description="The resolved model shape (catalog + overrides + Megatron defaults).")
+    parallel: ParallelSummary
+    memory: MemoryBreakdown | None = Field(description="Per-GPU memory on the most-loaded rank; None if the layout is too broken to estimate.")
+    performance: PerfEstimate | None = Field(description="Predicted step time and throughput; None if the layout is too broken to estimate.")
+    explanation: list[str] = Field(description="Short human summary: verdict, dominant costs, what limits the plan.")
+
+
+def evaluate_plan(plan: Plan) -> Evaluation:
+    """Check a training plan and predict its memory and speed.
+
+    Returns validation findings, the resolved model shape, the derived layout (DP, micro-batches),
+    the per-GPU memory breakdown, the predicted step time with its breakdown (tokens/s/GPU,
+    TFLOP/s and MFU in both FLOP conventions) and a short explanation of the dominant costs.
+    A plan that does not fit or breaks a Megatron rule is a normal result with feasible=False.
+    Raises KeyError/ValueError (naming the field) only for input that cannot be resolved, such
+    as an unknown model or GPU.
+    """
+    shape = resolve_model(plan.model)
+    g = gpu(plan.cluster.gpu)
+    findings = validate(plan)
+    has_error = any(f.severity == "error" for f in findings)
+    dims = parallel_dims(plan)
+    tr = plan.training
+    gpn = plan.cluster.gpus_per_node or g.gpus_per_node
+    parallel = ParallelSummary(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vp,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
+        data_parallel_size=dims.dp,
+        expert_data_parallel_size=max(1, dims.expert_dp),
+        num_microbatches=max(1, tr.global_batch_size // (tr.micro_batch_size * dims.dp)),
+        num_gpus=dims.world,
+        gpus_per_node=gpn,
+        num_nodes=-(-dims.world // gpn),
+    )
+    notes: list[str] = []
+    memory = _guarded(memory_breakdown, plan, has_error, notes, "memory")
+    perf = _guarded(lambda p: step_time(p, shape), plan, has_error, notes, "performance")
+    feasible = not has_error and memory is not None and memory.fits
+    return Evaluation(
+        feasible=feasible,
+        findings=findings,
+        model=shape,
+        parallel=parallel,
+        memory=memory,
+        performance=perf,
+        explanation=_explain(findings, memory, perf) + notes,
+    )
+
+
+def _guarded(fn, plan: Plan, has_error: bool, notes: list[str], what: str):
+    """Estimates of a plan the validators reject may hit impossible arithmetic: report, don't raise."""
+    try:
+        return fn(plan)
+    except (ArithmeticError, ValueError) as e:
+        if not has_error:
+            raise
+        notes.append(f"{what} not estimated: the layout errors above make it undefined ({type(e).__name__})")
+        return None
+
+
+_TERM_NAMES = {
+    "gemm_s": "GEMMs",
+    "attention_s": "core attention",
+    "elementwise_s": "memory-bound elementwise ops",
+    "recompute_s": "activation recompute",
+    "tp_comm_exposed_s": "exposed TP/SP communication",
+    "cp_comm_exposed_s": "exposed CP ring exchange",
+    "ep_comm_s": "MoE all-to-all",
+    "pp_p2p_s": "pipeline send/receive",
+    "pipeline_bubble_s": "pipeline bubble",
+    "dp_comm_exposed_s": "exposed data-parallel gradient/parameter communication",
+    "optimizer_s": "optimizer step",
+    "host_bound_s": "host-bound kernel launches (layers too small for the GPU)",
+    "overhead_s": "fixed overhead",
+}
+
+
+def _explain(findings: list[Finding], memory: MemoryBreakdown | None, perf: PerfEstimate | None) -> list[str]:
+    out: list[str] = []
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        out.append(f"not runnable: {len(errors)} error finding(s), first: {errors[0].message}")
+    if memory is not None:
+        if memory.fits:
+            out.append(f"fits: {memory.total_gib:.1f} of {memory.capacity_gib:.1f} GiB on the most-loaded GPU ({memory.most_loaded_role} stage), {memory.headroom_gib:.1f} GiB headroom")
+        else:
+            out.append(f"does not fit: {memory.total_gib:.1f} GiB needed vs {memory.capacity_gib:.1f} GiB on the most-loaded GPU ({memory.most_loaded_role} stage), {-memory.headroom_gib:.1f} GiB over")
+    if perf is None:
+        return out
+    it = perf.iteration_time_s
+    out.append(
+        f"step {it:.3f} s, {perf.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {perf.model_tflops_per_gpu_causal:.0f} TFLOP/s/GPU causal "
+        f"({perf.model_tflops_per_gpu_full:.0f} full), MFU {perf.mfu_bf16_causal_pct:.1f}% of dense BF16 peak"
+        + (f" ({perf.mfu_fp8_causal_pct:.1f}% of dense FP8 peak)" if perf.mfu_fp8_causal_pct is not None else "")
+    )
+    terms = sorted(((v, k) for k, v in perf.breakdown.model_dump().items() if v > 0), reverse=True)
+    top = [f"{_TERM_NAMES[k]} {100 * v / it:.0f}%" for v, k in terms[:3]]
+    out.append("dominant costs: " + ", ".join(top))
+    b = perf.breakdown
+    comm = b.tp_comm_exposed_s + b.cp_comm_exposed_s + b.ep_comm_s + b.pp_p2p_s + b.dp_comm_exposed_s
+    if comm / it > 0.15:
+        out.append(f"communication not hidden costs {100 * comm / it:.0f}% of the step")
+    if perf.pipeline_bubble_fraction > 0.05:
+        out.append(f"pipeline bubble {100 * perf.pipeline_bubble_fraction:.0f}% of the step: more micro-batches or virtual pipeline stages shrink it")
+    if b.recompute_s / it > 0.1:
+        out.append(f"recompute adds {100 * b.recompute_s / it:.0f}%: use it only as far as memory requires")
+    return out
+
+
+__all__ = ["Evaluation", "ParallelSummary", "evaluate_plan"]

@@ -1,0 +1,1002 @@
+"""recommend_parallelism(request): the fastest layouts that fit, why they win, and what else to know.
+
+The search itself lives in planning/search.py (enumeration, the validators' fast path, a vectorised
+replica of physics/memory.py, physics/step_time.step_time_arrays). This module turns a request into search
+inputs, re-checks the winners with `evaluate_plan` (so every figure returned is exactly the shared
+core's), explains the ranking from the step-time breakdowns, finds the nearest published run,
+re-runs a quicker search for 2x the GPUs and a 2x longer sequence, and, when nothing fits, says what
+would: the GPU count the model state needs, a sequence that fits, or optimizer CPU offload.
+
+Pure: no clock, no I/O. `recommend_parallelism(..., clock=time.perf_counter)` lets an adapter
+(CLI, server) measure the search rate without the core reading the clock itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mcore_advisor.knowledge.hardware import gpu
+from mcore_advisor.knowledge.models import count_params, resolve_model
+from mcore_advisor.knowledge.runs import plan_for_run, published_runs
+from mcore_advisor.physics.evaluate import Evaluation, evaluate_plan
+from mcore_advisor.physics.memory import CUDA_CONTEXT_GIB
+from mcore_advisor.physics.step_time import hardware_params, step_time
+from mcore_advisor.planning.plan_changes import LOW_HEADROOM_FRACTION
+from mcore_advisor.planning.search import (
+    RC_BLOCK,
+    RC_NONE,
+    RC_SELECTIVE,
+    RECOMMENDER_RULES,
+    Fixed,
+    SearchInputs,
+    SearchOutcome,
+    search,
+)
+from mcore_advisor.schemas import (
+    ClusterSpec,
+    Finding,
+    ImplementationSpec,
+    ModelShape,
+    ModelSpec,
+    ParallelismSpec,
+    Plan,
+    TrainingSpec,
+    layers_per_stage,
+)
+from mcore_advisor.validators import validate
+
+_INPUT = ConfigDict(extra="forbid", frozen=True)
+_RESULT = ConfigDict(frozen=True)
+
+# Megatron-Core optimizer CPU offload (megatron/core/optimizer/cpu_offloading/README.md).
+CPU_OFFLOAD_FLAGS = "--optimizer-cpu-offload --optimizer-offload-fraction 1.0 --use-precision-aware-optimizer"
+
+
+# ---------------------------------------------------------------------------------------------
+# Request
+# ---------------------------------------------------------------------------------------------
+
+
+class FixedParallelism(BaseModel):
+    """Dimensions to pin; every field left None is searched."""
+
+    model_config = _INPUT
+
+    tensor_model_parallel_size: int | None = Field(None, ge=1, description="Pin TP.")
+    pipeline_model_parallel_size: int | None = Field(None, ge=1, description="Pin PP.")
+    virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1, description="Pin VP (model chunks per stage); 1 = not interleaved.")
+    decoder_first_pipeline_num_layers: int | None = Field(None, ge=1, description="Pin the first stage's layer count (uneven split).")
+    decoder_last_pipeline_num_layers: int | None = Field(None, ge=1, description="Pin the last stage's layer count (uneven split).")
+    context_parallel_size: int | None = Field(None, ge=1, description="Pin CP.")
+    expert_model_parallel_size: int | None = Field(None, ge=1, description="Pin EP.")
+    expert_tensor_parallel_size: int | None = Field(None, ge=1, description="Pin ETP (TP inside experts).")
+    data_parallel_size: int | None = Field(None, ge=1, description="Pin DP (= num_gpus / (TP*PP*CP)).")
+    micro_batch_size: int | None = Field(None, ge=1, description="Pin the micro-batch size (samples).")
+    sequence_parallel: bool | None = Field(None, description="Pin sequence parallelism (only matters with TP > 1).")
+    use_distributed_optimizer: bool | None = Field(None, description="Pin the distributed optimizer on or off.")
+    recompute_granularity: Literal["none", "selective", "full"] | None = Field(None, description="Pin activation recompute: 'none' = off, 'selective' = Megatron's default modules (core_attn), 'full' = whole layers.")
+    recompute_method: Literal["uniform", "block"] | None = Field(None, description="Pin the full-recompute method (implies recompute_granularity 'full').")
+    recompute_num_layers: int | None = Field(None, ge=1, description="Pin recompute_num_layers (group size for uniform, layers per chunk for block).")
+
+    @model_validator(mode="after")
+    def _coherent(self) -> FixedParallelism:
+        if (self.recompute_method or self.recompute_num_layers) and self.recompute_granularity not in (None, "full"):
+            raise ValueError(
+                "fixed.recompute_method / fixed.recompute_num_layers apply to full recompute only: set "
+                "fixed.recompute_granularity to 'full' or leave them unset"
+            )
+        return self
+
+
+class RecommendRequest(BaseModel):
+    """What to train where, and the constraints the plan must honour."""
+
+    model_config = _INPUT
+
+    model: ModelSpec = Field(description="Model: a catalog name (e.g. 'llama3-70b') and/or explicit shape fields.")
+    cluster: ClusterSpec = Field(description="GPU type and count (num_gpus is the world size the plan must use).")
+    seq_length: int = Field(ge=1, le=4_194_304, description="Tokens per sample.")
+    global_batch_size: int | None = Field(None, ge=1, description="Samples per optimizer step; None = about 4M tokens per step (a power of two) but at least one sample per 8 GPUs.")
+    precision: Literal["bf16", "fp8"] = Field("bf16", description="Training precision; 'fp8' = Transformer Engine FP8 GEMMs (Hopper or newer).")
+    allow_fp8: bool = Field(False, description="With precision 'bf16', also consider FP8 and recommend it when faster (needs a GPU with FP8 and Transformer Engine).")
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = Field("delayed", description="FP8 scaling recipe for FP8 candidates (--fp8-recipe).")
+    fixed: FixedParallelism = Field(default_factory=FixedParallelism, description="Dimensions to pin (partial ParallelismSpec names, plus data_parallel_size and micro_batch_size).")
+    max_tensor_model_parallel_size: int | None = Field(None, ge=1, description="Upper bound on TP (and on ETP); None = no bound beyond the model's divisibility.")
+    min_headroom_gib: float = Field(0.0, ge=0, description="Memory that must stay free on the most-loaded GPU, GiB, on top of the memory model's fragmentation and CUDA-context allowances.")
+    min_headroom_fraction: float = Field(LOW_HEADROOM_FRACTION, ge=0, le=0.5, description="The same as a fraction of GPU capacity (default: the 5% below which estimate_memory suggests changes, for routing imbalance and data-dependent peaks); the larger of the two applies.")
+    allow_recompute: bool = Field(True, description="Allow activation recomputation (selective or full); False = none.")
+    transformer_impl: Literal["transformer_engine", "local"] | None = Field(None, description="Layer spec; None = implementation.transformer_impl (Transformer Engine by default).")
+    implementation: ImplementationSpec = Field(default_factory=ImplementationSpec, description="Kernel and buffer choices held fixed during the search (use_torch_fsdp2 is not searched).")
+    top_k: int = Field(5, ge=1, le=20, description="How many plans (distinct TP/PP/CP/EP/ETP/precision layouts) to return.")
+    what_if: bool = Field(True, description="Also answer 'what if 2x the GPUs' and 'what if a 2x longer sequence' with a quicker search.")
+
+    @model_validator(mode="after")
+    def _coherent(self) -> RecommendRequest:
+        if self.implementation.use_torch_fsdp2:
+            raise ValueError("implementation.use_torch_fsdp2: the search covers DDP + distributed-optimizer layouts; set it to false")
+        mt, fx = self.max_tensor_model_parallel_size, self.fixed
+        for name in ("tensor_model_parallel_size", "expert_tensor_parallel_size"):
+            v = getattr(fx, name)
+            if mt is not None and v is not None and v > mt:
+                raise ValueError(f"fixed.{name} ({v}) exceeds max_tensor_model_parallel_size ({mt}); change one of them")
+        if not self.allow_recompute and self.fixed.recompute_granularity not in (None, "none"):
+            raise ValueError("allow_recompute is false but fixed.recompute_granularity asks for recompute; change one of them")
+        return self
+
+
+def default_global_batch_size(seq_length: int, num_gpus: int) -> int:
+    """About 4M tokens per step (Llama-3 and GPT-3 recipes use 2-16M), as a power of two, and at
+    least one sample per 8 GPUs so data parallelism has samples to spread."""
+    tokens = 2**22
+    gbs = 2 ** max(0, round(math.log2(max(1, tokens / seq_length))))
+    floor = 2 ** math.ceil(math.log2(max(1, num_gpus / 8)))
+    return max(gbs, floor)
+
+
+_FIXED_ALIASES = {
+    "tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+    "vp": "virtual_pipeline_model_parallel_size", "cp": "context_parallel_size",
+    "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size", "dp": "data_parallel_size",
+    "mbs": "micro_batch_size", "sp": "sequence_parallel", "recompute": "recompute_granularity",
+}
+
+
+def request_from_options(
+    *,
+    model: str,
+    num_gpus: int,
+    gpu: str = "h100-sxm",
+    seq_length: int = 4096,
+    global_batch_size: int | None = None,
+    precision: Literal["bf16", "fp8"] = "bf16",
+    gpus_per_node: int | None = None,
+    top_k: int = 5,
+    **options,
+) -> RecommendRequest:
+    """Build a request from CLI-style flags, e.g. `mcore-advisor recommend --model llama3-70b
+    --gpus 64 --gpu h100-sxm --seq-length 8192 --global-batch-size 128`.
+
+    `model` is a catalog key or alias. Extra options: any RecommendRequest field
+    (max_tensor_model_parallel_size, min_headroom_gib, allow_fp8, allow_recompute,
+    transformer_impl, what_if, ...), or a pinned dimension by its FixedParallelism name or short
+    alias (tp, pp, vp, cp, ep, etp, dp, mbs, sp, recompute); None values are ignored.
+    Raises KeyError for an unknown model or GPU, ValueError for an unknown option.
+    """
+    resolve_model(ModelSpec(name=model))  # KeyError with close matches, before anything else
+    fixed: dict = {}
+    top: dict = {}
+    for key, value in options.items():
+        if value is None:
+            continue
+        name = _FIXED_ALIASES.get(key, key)
+        if name in FixedParallelism.model_fields:
+            fixed[name] = value
+        elif key in RecommendRequest.model_fields:
+            top[key] = value
+        else:
+            known = sorted(set(_FIXED_ALIASES) | set(FixedParallelism.model_fields) | set(RecommendRequest.model_fields))
+            raise ValueError(f"unknown recommend option {key!r}; known: {', '.join(known)}")
+    return RecommendRequest(
+        model=ModelSpec(name=model),
+        cluster=ClusterSpec(gpu=gpu, num_gpus=num_gpus, gpus_per_node=gpus_per_node),
+        seq_length=seq_length,
+        global_batch_size=global_batch_size,
+        precision=precision,
+        top_k=top_k,
+        fixed=FixedParallelism(**fixed),
+        **top,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------------
+
+
+class RecommendedPlan(BaseModel):
+    """One recommended plan with the shared core's predictions for it."""
+
+    model_config = _RESULT
+
+    rank: int = Field(description="1 = fastest.")
+    plan: Plan = Field(description="Complete plan, accepted by every other tool (evaluate_plan, estimate_memory, render_launch_script, run_profile_job).")
+    layout: str = Field(description="Short layout summary, e.g. 'TP8 PP4 VP5 CP1 DP2 mbs1 SP, selective recompute'.")
+    iteration_time_s: float = Field(description="Predicted step time.")
+    tokens_per_s_per_gpu: float
+    tokens_per_s: float = Field(description="Whole job.")
+    model_tflops_per_gpu_causal: float = Field(description="Model TFLOP/s/GPU, causal-half attention (Megatron since 2025-03).")
+    model_tflops_per_gpu_full: float = Field(description="Model TFLOP/s/GPU, full s^2 attention (pre-2025-03 Megatron, NeMo 24.x).")
+    mfu_bf16_causal_pct: float = Field(description="Model FLOPs (causal) / dense BF16 peak, %.")
+    mfu_bf16_full_pct: float = Field(description="Model FLOPs (full) / dense BF16 peak, %.")
+    mfu_fp8_causal_pct: float | None = Field(description="FP8 plans: model FLOPs (causal) / dense FP8 peak, %.")
+    memory_total_gib: float = Field(description="Predicted per-GPU memory on the most-loaded rank (reserved + CUDA context + NCCL).")
+    capacity_gib: float
+    headroom_gib: float = Field(description="capacity - memory_total.")
+    data_parallel_size: int
+    num_microbatches: int
+    pipeline_bubble_fraction: float
+    relative_throughput: float = Field(description="tokens/s of this plan / tokens/s of the best plan.")
+    why_slower: str | None = Field(description="For runners-up: the step-time terms that make it slower than the best, quantified.")
+    evaluation: Evaluation = Field(description="evaluate_plan's full result: findings (warnings/info), memory breakdown, step-time breakdown.")
+
+
+class NearestRun(BaseModel):
+    """The published measured run closest to the request (model size, GPU, sequence, GPU count)."""
+
+    model_config = _RESULT
+
+    row: int = Field(description="Row of knowledge.runs.published_runs().")
+    source: str
+    citation: str
+    model: str
+    params_b: float | None
+    gpu: str | None
+    num_gpus: int | None
+    seq_length: int | None
+    global_batch_size: int | None
+    precision: str | None
+    layout: str = Field(description="Published TP/PP/VP/CP/EP/DP and micro-batch.")
+    measured_tokens_per_s_per_gpu: float | None
+    measured_tflops_per_gpu: float | None
+    flop_convention: str = Field(description="Convention of measured_tflops_per_gpu ('full', 'full+recompute' = counts recompute, 'causal').")
+    measured_mfu_pct: float | None
+    predicted_tokens_per_s_per_gpu: float | None = Field(description="This tool's prediction for that published plan (a calibration hint).")
+    distance: float = Field(description="|ln params ratio| + GPU mismatch (0.5 same architecture, 1 other) + 0.5|log2 seq ratio| + 0.25|log2 GPU-count ratio| + 0.5 dense/MoE mismatch + 0.75 BF16/FP8 mismatch with the recommended plan.")
+
+
+class WhatIf(BaseModel):
+    """The best plan of a quicker search for a changed request."""
+
+    model_config = _RESULT
+
+    scenario: Literal["2x_gpus", "2x_seq_length"]
+    num_gpus: int
+    seq_length: int
+    global_batch_size: int
+    feasible: bool
+    layout: str | None
+    tokens_per_s_per_gpu: float | None
+    tokens_per_s: float | None = Field(description="Whole job.")
+    change_tokens_per_s_per_gpu_pct: float | None = Field(description="vs the recommended plan.")
+    change_tokens_per_s_pct: float | None = Field(description="Whole-job throughput vs the recommended plan.")
+    note: str
+
+
+class SearchStatistics(BaseModel):
+    """What the search looked at. Layouts and candidates each add up:
+    layouts_enumerated = layouts_pruned_by_model_state + sum(layouts_rejected_by_rule) + layouts_searched;
+    candidates_enumerated = sum(candidates_rejected_by_rule) + candidates_over_memory + candidates_dominated + candidates_timed."""
+
+    model_config = _RESULT
+
+    layouts_enumerated: int = Field(description="(TP, PP, split, VP, CP, EP, ETP, SP, precision) combinations with TP*PP*CP dividing num_gpus.")
+    layouts_pruned_by_model_state: int = Field(description="Skipped because weights + gradients + optimizer state alone exceed the usable memory.")
+    layouts_rejected_by_rule: dict[str, int] = Field(description="First failing validator error rule (or recommender rule) -> layouts.")
+    layouts_searched: int
+    candidates_enumerated: int = Field(description="Searched layouts x micro-batch sizes x distributed optimizer on/off x recompute options.")
+    candidates_rejected_by_rule: dict[str, int]
+    candidates_over_memory: int = Field(description="Exceed capacity minus the required headroom.")
+    candidates_dominated: int = Field(description="Not timed: a variant of the same layout and micro-batch that recomputes less (or shards the optimizer) fits.")
+    candidates_timed: int = Field(description="Scored with physics.step_time.step_time_arrays.")
+    candidates_evaluated: int = Field(description="Memory-checked (enumerated - rejected by rule).")
+    plans_verified: int = Field(description="Top candidates re-checked with evaluate_plan.")
+    plans_rejected_at_verification: int
+    elapsed_s: float | None = Field(description="Wall time of the main search; None unless the caller passed a clock.")
+    candidates_per_s: float | None = Field(description="candidates_evaluated / elapsed_s.")
+
+
+class Recommendation(BaseModel):
+    """What recommend_parallelism returns."""
+
+    model_config = _RESULT
+
+    feasible: bool = Field(description="At least one plan fits with the requested headroom under the constraints.")
+    global_batch_size: int
+    plans: list[RecommendedPlan] = Field(description="Best first; distinct (TP, PP, CP, EP, ETP, precision) layouts, each with its best VP, micro-batch, SP and recompute.")
+    explanation: list[str] = Field(description="Why the best plan wins (dominant costs that differ from the runners-up, quantified) and where its time goes.")
+    nearest_published_run: NearestRun | None
+    what_if: list[WhatIf]
+    suggestions: list[str] = Field(description="When nothing fits: what would (GPU count, sequence length, optimizer CPU offload, relaxed constraints).")
+    min_gpus_for_model_state: int = Field(description="GPUs needed just to hold bf16 weights + gradients + fp32 Adam state (18 B/param with fp32 gradients), spread perfectly.")
+    notes: list[str] = Field(description="Assumptions and search choices.")
+    stats: SearchStatistics
+
+
+# ---------------------------------------------------------------------------------------------
+# The tool
+# ---------------------------------------------------------------------------------------------
+
+
+def recommend_parallelism(request: RecommendRequest, *, clock: Callable[[], float] | None = None) -> Recommendation:
+    """Ranked parallel layouts that fit, fastest first, with predictions and explanations.
+
+    Searches every valid TP, PP (even, or uneven when the layers do not divide), VP, CP, EP, ETP,
+    DP (derived), micro-batch, sequence parallel, distributed optimizer and recompute choice, checks
+    each with the validators, scores memory and step time with the shared core, and re-checks the
+    winners with evaluate_plan. Use it first when someone asks how to train a model on N GPUs.
+    Nothing fitting is a normal result (feasible=False) with suggestions. Raises KeyError for an
+    unknown model or GPU and ValueError for contradictory constraints.
+    """
+    t0 = clock() if clock else None
+    shape = resolve_model(request.model)
+    g = gpu(request.cluster.gpu)
+    gbs = request.global_batch_size or default_global_batch_size(request.seq_length, request.cluster.num_gpus)
+    notes: list[str] = []
+    if request.global_batch_size is None:
+        notes.append(f"global_batch_size not given: {gbs} ({gbs * request.seq_length / 1e6:.1f}M tokens per step) used")
+    inp = _inputs(request, shape, gbs)
+    out = search(inp)
+    t_search = clock() if clock else None
+    plans, verified, rejected = _top_plans(request, inp, out, request.top_k)
+
+    capacity = inp.capacity_gib
+    min_gpus = _min_gpus_for_model_state(shape, request, inp)
+    explanation: list[str] = []
+    suggestions: list[str] = []
+    what_if: list[WhatIf] = []
+    if plans:
+        explanation = _explain(plans)
+        if request.what_if:
+            what_if = _what_ifs(request, shape, gbs, plans[0])
+    else:
+        suggestions = _no_fit(request, shape, inp, out, min_gpus, gbs)
+    if inp.precisions == ("bf16",) and request.allow_fp8:
+        notes.append(f"allow_fp8 ignored: {g.key} has no FP8 tensor cores" if g.fp8_dense_tflops is None
+                     else "allow_fp8 ignored: FP8 needs transformer_impl 'transformer_engine'")
+    notes.append(
+        "dominated variants are not timed: a configuration that fits without recompute beats every recompute "
+        "option of it, and the distributed optimizer is never slower or larger in this model"
+    )
+    notes.append(f"memory must leave {inp.required_headroom_gib:.1f} GiB of {capacity:.1f} GiB free on the most-loaded GPU")
+    if any(p.plan.parallelism.decoder_first_pipeline_num_layers or p.plan.parallelism.decoder_last_pipeline_num_layers for p in plans):
+        notes.append(
+            "uneven pipeline split: decoder_first/last_pipeline_num_layers put fewer layers on the first/last stage "
+            "(embedding, loss); memory and step time are computed for each stage's own layer count"
+        )
+    elapsed = (t_search - t0) if clock else None
+    s = out.stats
+    evaluated = s.configurations_enumerated - sum(s.configurations_rejected_by_rule.values())
+    stats = SearchStatistics(
+        layouts_enumerated=s.layouts_enumerated,
+        layouts_pruned_by_model_state=s.layouts_pruned_by_model_state,
+        layouts_rejected_by_rule=dict(s.layouts_rejected_by_rule),
+        layouts_searched=s.layouts_searched,
+        candidates_enumerated=s.configurations_enumerated,
+        candidates_rejected_by_rule=dict(s.configurations_rejected_by_rule),
+        candidates_over_memory=s.configurations_over_memory,
+        candidates_dominated=s.configurations_dominated,
+        candidates_timed=s.configurations_timed,
+        candidates_evaluated=evaluated,
+        plans_verified=verified,
+        plans_rejected_at_verification=rejected,
+        elapsed_s=elapsed,
+        candidates_per_s=(evaluated / elapsed) if elapsed else None,
+    )
+    return Recommendation(
+        feasible=bool(plans),
+        global_batch_size=gbs,
+        plans=plans,
+        explanation=explanation,
+        nearest_published_run=nearest_published_run(shape, request.cluster, request.seq_length,
+                                                     plans[0].plan.training.precision if plans else request.precision),
+        what_if=what_if,
+        suggestions=suggestions,
+        min_gpus_for_model_state=min_gpus,
+        notes=notes,
+        stats=stats,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Request -> search inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _implementation(request: RecommendRequest) -> ImplementationSpec:
+    im = request.implementation
+    if request.transformer_impl and request.transformer_impl != im.transformer_impl:
+        im = im.model_copy(update={"transformer_impl": request.transformer_impl})
+    return im
+
+
+def _inputs(request: RecommendRequest, shape: ModelShape, gbs: int, *, quick: bool = False, cluster: ClusterSpec | None = None, seq_length: int | None = None) -> SearchInputs:
+    cluster = cluster or request.cluster
+    g = gpu(cluster.gpu)
+    im = _implementation(request)
+    capacity = cluster.gpu_memory_gib or g.hbm_capacity_gib
+    fx = request.fixed
+    if request.precision == "fp8":
+        precisions: tuple[str, ...] = ("fp8",)
+    elif request.allow_fp8 and g.fp8_dense_tflops is not None and im.transformer_impl == "transformer_engine":
+        precisions = ("bf16", "fp8")
+    else:
+        precisions = ("bf16",)
+    rec = fx.recompute_granularity
+    if rec is None and (fx.recompute_method or fx.recompute_num_layers):
+        rec = "full"
+    return SearchInputs(
+        shape=shape, gpu=g, hardware=hardware_params(cluster), cluster=cluster,
+        seq_length=seq_length or request.seq_length, global_batch_size=gbs, precisions=precisions,
+        implementation=im, fp8_recipe=request.fp8_recipe, capacity_gib=capacity,
+        required_headroom_gib=max(request.min_headroom_gib, request.min_headroom_fraction * capacity),
+        fixed=Fixed(
+            tp=fx.tensor_model_parallel_size, pp=fx.pipeline_model_parallel_size,
+            vp=fx.virtual_pipeline_model_parallel_size, first=fx.decoder_first_pipeline_num_layers,
+            last=fx.decoder_last_pipeline_num_layers, cp=fx.context_parallel_size, ep=fx.expert_model_parallel_size,
+            etp=fx.expert_tensor_parallel_size, dp=fx.data_parallel_size, mbs=fx.micro_batch_size,
+            sp=fx.sequence_parallel, dist_opt=fx.use_distributed_optimizer, recompute=rec,
+            recompute_method=fx.recompute_method, recompute_num_layers=fx.recompute_num_layers,
+        ),
+        max_tp=request.max_tensor_model_parallel_size,
+        allow_recompute=request.allow_recompute,
+        quick=quick,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates -> verified plans
+# ---------------------------------------------------------------------------------------------
+
+
+def _candidate_plan(request: RecommendRequest, inp: SearchInputs, out: SearchOutcome, i: int) -> Plan:
+    lo = out.layouts[int(out.layout[i])]
+    rc = int(out.recompute[i])
+    k = int(out.recompute_num_layers[i]) if rc >= RC_BLOCK else None
+    dist = bool(out.dist_opt[i])
+    granularity = None if rc == RC_NONE else ("selective" if rc == RC_SELECTIVE else "full")
+    method = None if rc < RC_BLOCK else ("block" if rc == RC_BLOCK else "uniform")
+    if method == "block":
+        # Block over every layer of every chunk is the conventional uniform-1 full recompute.
+        chunks = [n // lo.vp for n in _stages(inp.shape.num_layers, lo)]
+        if k >= max(chunks):
+            method, k = "uniform", 1
+    moe = inp.shape.is_moe
+    par = ParallelismSpec(
+        tensor_model_parallel_size=lo.tp,
+        pipeline_model_parallel_size=lo.pp,
+        virtual_pipeline_model_parallel_size=lo.vp if lo.vp > 1 else None,
+        decoder_first_pipeline_num_layers=lo.first,
+        decoder_last_pipeline_num_layers=lo.last,
+        context_parallel_size=lo.cp,
+        expert_model_parallel_size=lo.ep,
+        expert_tensor_parallel_size=lo.etp if (moe and lo.etp != lo.tp) else None,
+        sequence_parallel=lo.sp,
+        use_distributed_optimizer=dist,
+        recompute_granularity=granularity,
+        recompute_method=method,
+        recompute_num_layers=k,
+        overlap_grad_reduce=True,
+        overlap_param_gather=dist,
+    )
+    return Plan(
+        model=request.model,
+        cluster=inp.cluster,
+        training=TrainingSpec(
+            seq_length=inp.seq_length, global_batch_size=inp.global_batch_size, micro_batch_size=int(out.mbs[i]),
+            precision=lo.precision, fp8_recipe=request.fp8_recipe if lo.precision == "fp8" else "delayed",
+        ),
+        parallelism=par,
+        implementation=inp.implementation,
+    )
+
+
+def _stages(num_layers: int, lo) -> list[int]:
+    return layers_per_stage(num_layers, lo.pp, lo.first, lo.last)
+
+
+def layout_summary(plan: Plan) -> str:
+    """'TP8 PP4 VP5 CP2 EP8 DP4 mbs1 SP, full recompute (block 3), fp8' style one-liner."""
+    p, t = plan.parallelism, plan.training
+    dp = plan.cluster.num_gpus // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size)
+    parts = [f"TP{p.tensor_model_parallel_size}", f"PP{p.pipeline_model_parallel_size}"]
+    if p.virtual_pipeline_model_parallel_size:
+        parts.append(f"VP{p.virtual_pipeline_model_parallel_size}")
+    if p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
+        parts.append(f"(first {p.decoder_first_pipeline_num_layers or '-'} / last {p.decoder_last_pipeline_num_layers or '-'} layers)")
+    parts.append(f"CP{p.context_parallel_size}")
+    if p.expert_model_parallel_size > 1 or (resolve_model(plan.model).is_moe):
+        parts.append(f"EP{p.expert_model_parallel_size}")
+        if p.expert_tensor_parallel_size is not None:
+            parts.append(f"ETP{p.expert_tensor_parallel_size}")
+    parts.append(f"DP{dp}")
+    parts.append(f"mbs{t.micro_batch_size}")
+    if p.sequence_parallel and p.tensor_model_parallel_size > 1:
+        parts.append("SP")
+    s = " ".join(parts)
+    if p.recompute_granularity == "selective":
+        s += ", selective recompute"
+    elif p.recompute_granularity == "full":
+        s += f", full recompute ({p.recompute_method} {p.recompute_num_layers})"
+    if not p.use_distributed_optimizer:
+        s += ", no distributed optimizer"
+    if t.precision == "fp8":
+        s += ", fp8"
+    return s
+
+
+def _layout_key(lo) -> tuple:
+    # Runners-up are distinct (TP, PP, CP, EP, ETP, precision) layouts; VP, the stage split, SP,
+    # micro-batch, recompute and the optimizer sharding are that layout's tuning (its best is shown).
+    return (lo.tp, lo.pp, lo.cp, lo.ep, lo.etp, lo.precision)
+
+
+def _order(out: SearchOutcome) -> np.ndarray:
+    # Fastest first; among equals, less memory.
+    return np.lexsort((out.memory_total_gib, -np.round(out.tokens_per_s_per_gpu, 6)))
+
+
+def _accept(ev: Evaluation, inp: SearchInputs) -> bool:
+    if any(f.severity == "error" for f in ev.findings) or ev.memory is None or ev.performance is None:
+        return False
+    return ev.memory.total_gib <= inp.capacity_gib - inp.required_headroom_gib + 1e-9
+
+
+def _top_plans(request: RecommendRequest, inp: SearchInputs, out: SearchOutcome, k: int,
+               max_checks: int | None = None) -> tuple[list[RecommendedPlan], int, int]:
+    if not len(out.tokens_per_s_per_gpu):
+        return [], 0, 0
+    max_checks = max_checks or (10 * k + 40)
+    taken: set[tuple] = set()
+    chosen: list[tuple[Plan, Evaluation]] = []
+    verified = rejected = 0
+    for i in _order(out):
+        lo = out.layouts[int(out.layout[i])]
+        key = _layout_key(lo)
+        if key in taken:
+            continue
+        if verified >= max_checks:
+            break
+        plan = _candidate_plan(request, inp, out, int(i))
+        ev = evaluate_plan(plan)
+        verified += 1
+        if not _accept(ev, inp):
+            rejected += 1
+            continue
+        taken.add(key)
+        chosen.append((plan, ev))
+        if len(chosen) >= k:
+            break
+    chosen.sort(key=lambda pe: -pe[1].performance.tokens_per_s_per_gpu)
+    best_tps = chosen[0][1].performance.tokens_per_s_per_gpu if chosen else 0.0
+    plans = []
+    best_ev = chosen[0][1] if chosen else None
+    for rank, (plan, ev) in enumerate(chosen, 1):
+        perf, mem = ev.performance, ev.memory
+        plans.append(RecommendedPlan(
+            rank=rank, plan=plan, layout=layout_summary(plan),
+            iteration_time_s=perf.iteration_time_s, tokens_per_s_per_gpu=perf.tokens_per_s_per_gpu,
+            tokens_per_s=perf.tokens_per_s, model_tflops_per_gpu_causal=perf.model_tflops_per_gpu_causal,
+            model_tflops_per_gpu_full=perf.model_tflops_per_gpu_full, mfu_bf16_causal_pct=perf.mfu_bf16_causal_pct,
+            mfu_bf16_full_pct=perf.mfu_bf16_full_pct, mfu_fp8_causal_pct=perf.mfu_fp8_causal_pct,
+            memory_total_gib=mem.total_gib, capacity_gib=mem.capacity_gib, headroom_gib=mem.headroom_gib,
+            data_parallel_size=ev.parallel.data_parallel_size, num_microbatches=ev.parallel.num_microbatches,
+            pipeline_bubble_fraction=perf.pipeline_bubble_fraction,
+            relative_throughput=perf.tokens_per_s_per_gpu / best_tps,
+            why_slower=None if rank == 1 else _why_slower(best_ev, ev, chosen[0][0], plan),
+            evaluation=ev,
+        ))
+    return plans, verified, rejected
+
+
+# ---------------------------------------------------------------------------------------------
+# Explanations
+# ---------------------------------------------------------------------------------------------
+
+_TERMS = {
+    "gemm_s": "GEMM time",
+    "attention_s": "core attention",
+    "elementwise_s": "elementwise/memory-bound ops",
+    "recompute_s": "activation recompute",
+    "tp_comm_exposed_s": "exposed TP/SP communication",
+    "cp_comm_exposed_s": "exposed CP ring exchange",
+    "ep_comm_s": "MoE all-to-all",
+    "pp_p2p_s": "pipeline send/receive",
+    "pipeline_bubble_s": "pipeline bubble",
+    "dp_comm_exposed_s": "exposed data-parallel communication",
+    "optimizer_s": "optimizer step",
+    "host_bound_s": "host-bound kernel launches (layers too small for the GPU)",
+    "overhead_s": "fixed overhead",
+}
+
+
+def _dims(plan: Plan, ev: Evaluation) -> dict[str, str]:
+    p, t = plan.parallelism, plan.training
+    rc = p.recompute_granularity or "no"
+    if p.recompute_granularity == "full":
+        rc = f"full ({p.recompute_method} {p.recompute_num_layers})"
+    return {
+        "tp": f"TP{p.tensor_model_parallel_size}" + (" SP" if p.sequence_parallel and p.tensor_model_parallel_size > 1 else ""),
+        "pp": f"PP{p.pipeline_model_parallel_size}" + (f" VP{p.virtual_pipeline_model_parallel_size}" if p.virtual_pipeline_model_parallel_size else ""),
+        "m": f"{ev.parallel.num_microbatches} micro-batches of {t.micro_batch_size}",
+        "cp": f"CP{p.context_parallel_size}",
+        "ep": f"EP{p.expert_model_parallel_size}" + (f" ETP{p.expert_tensor_parallel_size}" if p.expert_tensor_parallel_size else ""),
+        "dp": f"DP{ev.parallel.data_parallel_size}",
+        "rc": f"{rc} recompute",
+        "prec": t.precision,
+    }
+
+
+# Which layout dimensions drive each step-time term.
+_CAUSES = {
+    "pipeline_bubble_s": ("pp", "m"),
+    "pp_p2p_s": ("pp",),
+    "tp_comm_exposed_s": ("tp", "cp", "m"),  # volume per GPU scales with its tokens (s/CP x micro-batch)
+    "cp_comm_exposed_s": ("cp",),
+    "ep_comm_s": ("ep",),
+    "dp_comm_exposed_s": ("dp",),
+    "optimizer_s": ("dp",),
+    "recompute_s": ("rc",),
+    "gemm_s": ("tp", "cp", "m", "prec"),
+    "attention_s": ("tp", "cp"),
+    "elementwise_s": ("tp", "cp", "prec"),
+}
+
+
+def _cause(term: str, a: dict[str, str], b: dict[str, str]) -> str:
+    diff = [d for d in _CAUSES.get(term, ()) if a[d] != b[d]]
+    if not diff:
+        return ""
+    return ", ".join(f"{b[d]} vs {a[d]}" for d in diff)
+
+
+def _term_deltas(best: Evaluation, other: Evaluation) -> list[tuple[float, str]]:
+    T = best.performance.iteration_time_s
+    bb, ob = best.performance.breakdown, other.performance.breakdown
+    return [((getattr(ob, k) - getattr(bb, k)) / T, k) for k in _TERMS]
+
+
+def _why_slower(best: Evaluation, other: Evaluation, best_plan: Plan, other_plan: Plan) -> str:
+    """'PP8 VP.. adds a 9.1% pipeline bubble ...; it saves 2.4% exposed TP/SP communication ...'."""
+    a, b = _dims(best_plan, best), _dims(other_plan, other)
+    loss = 100 * (1 - other.performance.tokens_per_s_per_gpu / best.performance.tokens_per_s_per_gpu)
+    deltas = _term_deltas(best, other)
+    worse = sorted((d for d in deltas if d[0] > 0.002), reverse=True)[:2]
+    better = sorted(d for d in deltas if d[0] < -0.002)[:1]
+    parts = []
+    for d, k in worse:
+        c = _cause(k, a, b)
+        parts.append(f"{_TERMS[k]} +{100 * d:.1f}% of the best plan's step" + (f" ({c})" if c else ""))
+    s = f"{loss:.1f}% fewer tokens/s than #1: " + ("; ".join(parts) if parts else "small differences spread over many terms")
+    for d, k in better:
+        c = _cause(k, a, b)
+        s += f"; it saves {100 * -d:.1f}% on {_TERMS[k]}" + (f" ({c})" if c else "")
+    return s
+
+
+def _explain(plans: list[RecommendedPlan]) -> list[str]:
+    best = plans[0]
+    ev = best.evaluation
+    perf = ev.performance
+    out = [
+        f"best: {best.layout}: {best.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {best.model_tflops_per_gpu_causal:.0f} TFLOP/s/GPU "
+        f"causal ({best.model_tflops_per_gpu_full:.0f} full), MFU {best.mfu_bf16_causal_pct:.1f}% (causal, of dense BF16 peak), "
+        f"{best.memory_total_gib:.1f} of {best.capacity_gib:.1f} GiB"
+    ]
+    T = perf.iteration_time_s
+    terms = sorted(((v, k) for k, v in perf.breakdown.model_dump().items() if v > 0), reverse=True)[:4]
+    out.append("its step: " + ", ".join(f"{_TERMS[k]} {100 * v / T:.0f}%" for v, k in terms))
+    if len(plans) > 1:
+        ru = plans[1]
+        a, b = _dims(best.plan, ev), _dims(ru.plan, ru.evaluation)
+        deltas = _term_deltas(ev, ru.evaluation)
+        worse = max(deltas)
+        better = min(deltas)
+        line = f"vs #2 ({ru.layout}, {100 * (1 - ru.relative_throughput):.1f}% slower): "
+        if worse[0] > 0.002:
+            c = _cause(worse[1], a, b)
+            line += f"{(c.split(' vs ')[0] if c else '#2')} adds {100 * worse[0]:.1f}% {_TERMS[worse[1]]} that {(c.split(' vs ')[1].split(',')[0] if c else '#1')} avoids"
+        else:
+            line += "the terms differ by less than 0.2% each"
+        if better[0] < -0.002:
+            c = _cause(better[1], a, b)
+            who = c.split(" vs ")[1].split(",")[0] if c else "#1"
+            line += f"; {who} costs {100 * -better[0]:.1f}% {_TERMS[better[1]]} more"
+        out.append(line)
+    for p in plans[2:]:
+        out.append(f"#{p.rank} ({p.layout}): {p.why_slower}")
+    for line in ev.explanation:
+        if line.startswith(("pipeline bubble", "communication not hidden", "recompute adds")):
+            out.append(line)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Nearest published run
+# ---------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _run_table() -> tuple[tuple, ...]:
+    rows = []
+    for run in published_runs():
+        rp = plan_for_run(run)
+        params = run.params_b * 1e9 if run.params_b else None
+        moe = None
+        pred = None
+        if rp is not None:
+            shape = resolve_model(rp.plan.model)
+            moe = shape.is_moe
+            if params is None:
+                params = float(count_params(shape, run.seq_length))
+            try:
+                pred = step_time(rp.plan, shape).tokens_per_s_per_gpu
+            except (ValueError, ArithmeticError):
+                pred = None
+        rows.append((run, params, moe, pred))
+    return tuple(rows)
+
+
+def _precision_family(text: str | None) -> str | None:
+    if not text:
+        return None
+    t = text.lower()
+    return "fp8" if "fp8" in t else ("bf16" if "bf16" in t or "fp16" in t else None)
+
+
+def nearest_published_run(shape: ModelShape, cluster: ClusterSpec, seq_length: int,
+                          precision: str | None = None) -> NearestRun | None:
+    """The published run closest in model size, GPU, sequence length, GPU count and precision
+    (see NearestRun.distance): an FP8 run is no yardstick for a BF16 plan."""
+    params = float(count_params(shape, seq_length))
+    g = gpu(cluster.gpu)
+    best = None
+    for run, p_run, moe, pred in _run_table():
+        if p_run is None or run.num_gpus is None or run.seq_length is None:
+            continue
+        if run.measured_tokens_per_sec_per_gpu is None and run.measured_tflops_per_gpu is None:
+            continue
+        d = abs(math.log(params / p_run))
+        if run.gpu != g.key:
+            d += 0.5 if (run.gpu and gpu(run.gpu).architecture == g.architecture) else 1.0
+        d += 0.5 * abs(math.log2(seq_length / run.seq_length)) + 0.25 * abs(math.log2(cluster.num_gpus / run.num_gpus))
+        if moe is not None and moe != shape.is_moe:
+            d += 0.5
+        fam = _precision_family(run.precision)
+        if precision is not None and fam is not None and fam != precision:
+            d += 0.75
+        if best is None or d < best[0]:
+            best = (d, run, p_run, pred)
+    if best is None:
+        return None
+    d, run, p_run, pred = best
+    lay = f"TP{run.tensor_model_parallel_size} PP{run.pipeline_model_parallel_size}"
+    for name, v in (("VP", run.virtual_pipeline_model_parallel_size), ("CP", run.context_parallel_size),
+                    ("EP", run.expert_model_parallel_size), ("DP", run.data_parallel_size), ("mbs", run.micro_batch_size)):
+        if v:
+            lay += f" {name}{v}"
+    if run.recompute:
+        lay += f", recompute {run.recompute}"
+    src = [s for s in _sources() if s[0] == run.source]
+    return NearestRun(
+        row=run.row, source=run.source, citation=src[0][1] if src else run.source, model=run.model,
+        params_b=round(p_run / 1e9, 2), gpu=run.gpu, num_gpus=run.num_gpus, seq_length=run.seq_length,
+        global_batch_size=run.global_batch_size, precision=run.precision, layout=lay,
+        measured_tokens_per_s_per_gpu=run.measured_tokens_per_sec_per_gpu,
+        measured_tflops_per_gpu=run.measured_tflops_per_gpu, flop_convention=run.flop_convention,
+        measured_mfu_pct=run.measured_mfu_pct, predicted_tokens_per_s_per_gpu=pred, distance=round(d, 3),
+    )
+
+
+@lru_cache(maxsize=1)
+def _sources() -> tuple[tuple[str, str], ...]:
+    from mcore_advisor.knowledge.runs import sources
+
+    return tuple((k, v.citation) for k, v in sources().items())
+
+
+# ---------------------------------------------------------------------------------------------
+# What-if and no-fit
+# ---------------------------------------------------------------------------------------------
+
+
+def _quick_best(request: RecommendRequest, shape: ModelShape, gbs: int, *, cluster: ClusterSpec | None = None,
+                seq_length: int | None = None) -> RecommendedPlan | None:
+    inp = _inputs(request, shape, gbs, quick=True, cluster=cluster, seq_length=seq_length)
+    out = search(inp)
+    plans, _, _ = _top_plans(request, inp, out, 1, max_checks=5)
+    return plans[0] if plans else None
+
+
+def _what_ifs(request: RecommendRequest, shape: ModelShape, gbs: int, best: RecommendedPlan) -> list[WhatIf]:
+    res = []
+    n, s = request.cluster.num_gpus, request.seq_length
+    for scenario, cluster, seq in (
+        ("2x_gpus", request.cluster.model_copy(update={"num_gpus": 2 * n}), s),
+        ("2x_seq_length", request.cluster, 2 * s),
+    ):
+        if seq > 4_194_304:
+            continue
+        top = _quick_best(request, shape, gbs, cluster=cluster, seq_length=seq)
+        same = f"same global batch of {gbs} samples"
+        if top is None:
+            res.append(WhatIf(scenario=scenario, num_gpus=cluster.num_gpus, seq_length=seq, global_batch_size=gbs,
+                              feasible=False, layout=None, tokens_per_s_per_gpu=None, tokens_per_s=None,
+                              change_tokens_per_s_per_gpu_pct=None, change_tokens_per_s_pct=None,
+                              note=f"nothing fits ({same})"))
+            continue
+        d_gpu = 100 * (top.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu - 1)
+        d_job = 100 * (top.tokens_per_s / best.tokens_per_s - 1)
+        if scenario == "2x_gpus":
+            note = (f"{same} on twice the GPUs, so each data-parallel replica runs fewer micro-batches; "
+                    f"per-GPU throughput {d_gpu:+.0f}%, job throughput {d_job:+.0f}%")
+        else:
+            note = (f"{same} (2x tokens per step): attention grows with s^2 and activations with s; "
+                    f"per-GPU throughput {d_gpu:+.0f}%")
+        res.append(WhatIf(scenario=scenario, num_gpus=cluster.num_gpus, seq_length=seq, global_batch_size=gbs,
+                          feasible=True, layout=top.layout, tokens_per_s_per_gpu=top.tokens_per_s_per_gpu,
+                          tokens_per_s=top.tokens_per_s, change_tokens_per_s_per_gpu_pct=d_gpu,
+                          change_tokens_per_s_pct=d_job, note=note + " (quicker search: TP within a node, ETP 1 or TP, CP a power of two, SP on, micro-batch <= 8, distributed optimizer on)"))
+    return res
+
+
+def _model_state_bytes_per_param(request: RecommendRequest) -> float:
+    im = _implementation(request)
+    # bf16 weights (2) + gradient buffer (4 fp32 / 2 bf16) + fp32 main params and Adam m, v (12).
+    return 2.0 + (4.0 if im.grad_reduce_in_fp32 else 2.0) + 12.0
+
+
+def _min_gpus_for_model_state(shape: ModelShape, request: RecommendRequest, inp: SearchInputs) -> int:
+    usable = inp.capacity_gib - inp.required_headroom_gib - CUDA_CONTEXT_GIB
+    total = count_params(shape, request.seq_length) * _model_state_bytes_per_param(request) / 2**30
+    return max(1, math.ceil(total / max(usable, 1e-9)))
+
+
+def _no_fit(request: RecommendRequest, shape: ModelShape, inp: SearchInputs, out: SearchOutcome, min_gpus: int,
+            gbs: int) -> list[str]:
+    s = out.stats
+    n = request.cluster.num_gpus
+    gpn = inp.hardware.gpus_per_node
+    usable = inp.capacity_gib - inp.required_headroom_gib
+    bpp = _model_state_bytes_per_param(request)
+    out_lines: list[str] = []
+    passed_state = s.layouts_enumerated - s.layouts_pruned_by_model_state
+    if s.layouts_enumerated == 0:
+        out_lines.append("no layout can be built under the pinned dimensions and max TP: relax `fixed` or max_tensor_model_parallel_size")
+    elif passed_state == 0:
+        out_lines.append(
+            f"model state alone does not fit: the best layout needs {out.min_model_state_gib:.1f} GiB per GPU for bf16 "
+            f"weights + gradients + Adam state vs {usable:.1f} GiB usable"
+        )
+    elif s.layouts_searched == 0:
+        code, cnt = max(s.layouts_rejected_by_rule.items(), key=lambda kv: kv[1])
+        out_lines.append(f"every layout breaks a Megatron rule; most often {code} ({cnt} layouts)" + _rule_hint(request, shape, code, inp))
+    elif s.configurations_timed == 0:
+        out_lines.append(
+            f"every configuration exceeds memory: the smallest needs {out.best_unconstrained_total_gib:.1f} GiB vs "
+            f"{usable:.1f} GiB usable ({inp.capacity_gib:.1f} capacity - {inp.required_headroom_gib:.1f} headroom)"
+        )
+    else:
+        out_lines.append("no candidate passed the final evaluate_plan check")
+    n_params_b = count_params(shape, request.seq_length) / 1e9
+    if min_gpus > n or (s.layouts_enumerated and passed_state == 0):
+        found = _smallest_cluster(request, shape, gbs, max(min_gpus, n + 1), gpn)
+        msg = (f"holding {bpp:.0f} B/param of model state ({n_params_b:.1f}B parameters) needs at least {min_gpus} GPUs "
+               "even if spread perfectly")
+        if found:
+            msg += f"; the smallest cluster tried that fits with activations is {found[0]} GPUs: {found[1]}"
+        out_lines.append(msg)
+    elif s.layouts_searched > 0:
+        found = _longest_sequence(request, shape, gbs)
+        if found:
+            out_lines.append(f"a shorter sequence fits on these {n} GPUs: seq_length {found[0]} ({found[1]})")
+        bigger = _smallest_cluster(request, shape, gbs, n + 1, gpn)
+        if bigger:
+            out_lines.append(f"or more GPUs: {bigger[0]} GPUs fit with {bigger[1]}")
+    if request.fixed != FixedParallelism() or request.max_tensor_model_parallel_size or not request.allow_recompute:
+        out_lines.append("relax the constraints (fixed dimensions, max_tensor_model_parallel_size, allow_recompute) to widen the search")
+    out_lines.append(
+        "Megatron-Core can move the fp32 main weights and Adam state (12 B/param) to host memory with optimizer CPU "
+        f"offload ({CPU_OFFLOAD_FLAGS}; megatron/core/optimizer/cpu_offloading), at a step-time cost; "
+        "this tool does not model it"
+    )
+    return out_lines
+
+
+def _rule_hint(request: RecommendRequest, shape: ModelShape, code: str, inp: SearchInputs) -> str:
+    if code in RECOMMENDER_RULES:
+        return f": {RECOMMENDER_RULES[code]}"
+    # Build the plan the pins describe and let the validators say it with a fix.
+    fx = request.fixed
+    try:
+        plan = Plan(
+            model=request.model, cluster=request.cluster,
+            training=TrainingSpec(seq_length=request.seq_length, global_batch_size=inp.global_batch_size,
+                                  micro_batch_size=fx.micro_batch_size or 1, precision=inp.precisions[0]),
+            parallelism=ParallelismSpec(
+                tensor_model_parallel_size=fx.tensor_model_parallel_size or 1,
+                pipeline_model_parallel_size=fx.pipeline_model_parallel_size or 1,
+                context_parallel_size=fx.context_parallel_size or 1,
+                expert_model_parallel_size=fx.expert_model_parallel_size or 1,
+            ),
+            implementation=inp.implementation,
+        )
+        hit: list[Finding] = [f for f in validate(plan) if f.code == code]
+    except (ValueError, KeyError):
+        hit = []
+    if hit:
+        return f": {hit[0].message}" + (f" (fix: {hit[0].fix})" if hit[0].fix else "")
+    return ""
+
+
+def _smallest_cluster(request: RecommendRequest, shape: ModelShape, gbs: int, at_least: int, gpn: int) -> tuple[int, str] | None:
+    """The smallest of a few cluster sizes >= at_least (powers of two, whole nodes) where something fits."""
+    pow2 = [2**i for i in range(0, 21) if 2**i >= at_least][:4]
+    nodes = [gpn * k for k in range(max(1, -(-at_least // gpn)), max(1, -(-at_least // gpn)) + 3)]
+    tries = sorted({n for n in pow2 + nodes if n >= at_least and (n <= gpn or n % gpn == 0)})[:6]
+    for n in tries:
+        cl = request.cluster.model_copy(update={"num_gpus": n})
+        top = _quick_best(request, shape, gbs, cluster=cl)
+        if top is not None:
+            return n, top.layout
+    return None
+
+
+def _longest_sequence(request: RecommendRequest, shape: ModelShape, gbs: int) -> tuple[int, str] | None:
+    s = request.seq_length // 2
+    while s >= 128:
+        top = _quick_best(request, shape, gbs, seq_length=s)
+        if top is not None:
+            return s, top.layout
+        s //= 2
+    return None
+
+
+def format_recommendation(rec: Recommendation) -> str:
+    """Plain-text report of a Recommendation for a terminal (the CLI's non-JSON output)."""
+    lines: list[str] = []
+    if rec.plans:
+        p0 = rec.plans[0].plan
+        lines.append(f"{p0.model.name or 'model'} on {p0.cluster.num_gpus} x {p0.cluster.gpu}, seq {p0.training.seq_length}, "
+                     f"global batch {rec.global_batch_size}")
+        for p in rec.plans:
+            lines.append(
+                f"#{p.rank} {p.layout}\n     step {p.iteration_time_s:.3f} s, {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+                f"{p.model_tflops_per_gpu_causal:.0f} TFLOP/s/GPU causal ({p.model_tflops_per_gpu_full:.0f} full), "
+                f"MFU {p.mfu_bf16_causal_pct:.1f}% causal, memory {p.memory_total_gib:.1f}/{p.capacity_gib:.1f} GiB"
+            )
+        lines.append("why:")
+        lines.extend(f"  - {x}" for x in rec.explanation)
+    else:
+        lines.append("no plan fits:")
+        lines.extend(f"  - {x}" for x in rec.suggestions)
+    for w in rec.what_if:
+        lines.append(f"what if {w.scenario.replace('_', ' ')} ({w.num_gpus} GPUs, seq {w.seq_length}): "
+                     + (f"{w.layout}, {w.tokens_per_s_per_gpu:,.0f} tokens/s/GPU; {w.note}" if w.feasible else w.note))
+    r = rec.nearest_published_run
+    if r:
+        meas = (f"{r.measured_tokens_per_s_per_gpu:,.0f} tokens/s/GPU" if r.measured_tokens_per_s_per_gpu
+                else f"{r.measured_tflops_per_gpu} TFLOP/s/GPU ({r.flop_convention})")
+        pred = f", this tool predicts {r.predicted_tokens_per_s_per_gpu:,.0f}" if r.predicted_tokens_per_s_per_gpu else ""
+        prec = f", {_precision_family(r.precision).upper()}" if _precision_family(r.precision) else ""
+        lines.append(f"nearest published run: {r.model} on {r.num_gpus} x {r.gpu}, seq {r.seq_length}{prec}, {r.layout}: "
+                     f"measured {meas}{pred} [{r.source}]")
+    s = rec.stats
+    rate = f" in {s.elapsed_s * 1000:.0f} ms ({s.candidates_per_s:,.0f}/s)" if s.elapsed_s else ""
+    lines.append(f"searched {s.layouts_enumerated:,} layouts and {s.candidates_evaluated:,} configurations{rate}; "
+                 f"{s.candidates_timed:,} timed")
+    lines.extend(f"note: {x}" for x in rec.notes)
+    return "\n".join(lines)
+
+
+__all__ = [
+    "CPU_OFFLOAD_FLAGS",
+    "FixedParallelism",
+    "NearestRun",
+    "RecommendRequest",
+    "Recommendation",
+    "RecommendedPlan",
+    "SearchStatistics",
+    "WhatIf",
+    "default_global_batch_size",
+    "format_recommendation",
+    "layout_summary",
+    "nearest_published_run",
+    "recommend_parallelism",
+    "request_from_options",
+]
