@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.layouts import LayoutBatch
 from mcore_advisor.physics.memory import memory_breakdown
 from mcore_advisor.physics.step_time import hardware_params, step_time, step_time_arrays
 from mcore_advisor.schemas import ClusterSpec, ModelSpec, ParallelismSpec, Plan, TrainingSpec
@@ -67,8 +68,9 @@ def main() -> int:
     t0 = time.perf_counter()
     reps = 20
     for _ in range(reps):
-        r = step_time_arrays(shape, hw, 8192, 2048, tp=tp, pp=pp, dp=dp, cp=cp, vp=vp, micro_batch_size=mbs,
-                             sequence_parallel=sp, recompute=rc)
+        batch = LayoutBatch(shape, 8192, 2048, tp=tp, pp=pp, dp=dp, cp=cp, vp=vp, micro_batch_size=mbs,
+                            sequence_parallel=sp, recompute=rc)
+        r = step_time_arrays(batch, hw)
     dt = (time.perf_counter() - t0) / reps
     lines += [
         "",

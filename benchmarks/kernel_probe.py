@@ -5,10 +5,16 @@ Measures, on the GPU it runs on, with torch only (no Transformer Engine, no Mega
   - fp8 (e4m3, per-tensor scaled) GEMM rate through torch._scaled_mm,
   - causal SDPA attention forward + backward (flash and cuDNN backends), head dim 128,
   - Megatron's unfused local-spec attention (baddbmm, fp32 softmax with masked_fill, bmm) forward + backward,
-  - elementwise bandwidth (copy, LayerNorm fwd+bwd, GeLU fwd+bwd), cross-entropy over a large vocab, AdamW step.
+  - elementwise bandwidth (copy, LayerNorm fwd+bwd, GeLU fwd+bwd), cross-entropy over a large vocab, AdamW step,
+  - MoE parts (section `moe`, issue 15; needs megatron-core, and Transformer Engine for the fused and
+    grouped kernels): the experts' grouped GEMM at real per-expert shapes (tokens per expert =
+    tokens * topk / E) through TE's GroupedLinear (what Megatron's TEGroupedMLP runs), torch._grouped_mm
+    and a per-expert loop (SequentialMLP); token permute/unpermute (megatron moe_utils, fused and unfused);
+    the router (gating GEMM + top-k, fused and unfused, with and without the aux-loss scores); and one MoE
+    layer's local work (router, permute, experts, unpermute) eager and as a CUDA graph (launch cost).
 Prints one JSON line per measurement and writes all of them to $OUT/kernel_probe.jsonl.
 
-    python3 benchmarks/kernel_probe.py            # on the device machine
+    python3 benchmarks/kernel_probe.py [SECTION ...]     # on the device machine; default: every section
 """
 
 from __future__ import annotations
@@ -192,11 +198,248 @@ def adam():
         emit(kind="adamw", fused=fused, params=n, time_s=s, ns_per_param=s / n * 1e9)
 
 
+# --------------------------------------------------------------------------- MoE parts (issue 15)
+#: (hidden, expert ffn): the probe runs' 8- and 64-expert models, a Qwen3-30B-A3B-like and a wider expert
+MOE_EXPERT_SHAPES = ((1024, 2816), (1024, 704), (2048, 768), (4096, 1536))
+MOE_LOCAL_EXPERTS = (4, 32)
+MOE_TOKENS_PER_EXPERT = (64, 256, 1024, 4096)
+#: one MoE layer's local work at 4096 tokens: (hidden, expert ffn, experts, topk)
+MOE_LAYERS = ((1024, 2816, 8, 2), (1024, 704, 64, 8), (2048, 768, 128, 8))
+MOE_TOKENS = (4096, 16384)
+MOE_REP_MS = 60
+
+
+def _swiglu(x):
+    a, b = x.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+def _te():
+    try:
+        import transformer_engine.pytorch as te
+
+        return te
+    except Exception as e:  # the torch-only parts still run
+        emit(kind="moe_note", note=f"transformer_engine not importable: {e!r}"[:300])
+        return None
+
+
+def _expert_impls(h, f, e, t, te):
+    """name -> forward of e SwiGLU experts (fc1 h->2f, fc2 f->h) on e*t tokens, t per expert."""
+    x = torch.randn(e * t, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w1 = (0.02 * torch.randn(e, 2 * f, h, device=dev, dtype=torch.bfloat16)).requires_grad_()
+    w2 = (0.02 * torch.randn(e, h, f, device=dev, dtype=torch.bfloat16)).requires_grad_()
+    impls = {
+        # one expert's weights on all e*t tokens: the dense rate at the same total work
+        "dense_same_tokens": lambda: _swiglu(x @ w1[0].t()) @ w2[0].t(),
+        # Megatron's SequentialMLP: one GEMM pair per local expert
+        "loop": lambda: torch.cat([_swiglu(xe @ w1[i].t()) @ w2[i].t() for i, xe in enumerate(x.split(t))]),
+    }
+    if hasattr(torch, "_grouped_mm"):
+        offs = torch.arange(t, e * t + 1, t, device=dev, dtype=torch.int32)
+        impls["torch_grouped_mm"] = lambda: torch._grouped_mm(
+            _swiglu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)), w2.transpose(-2, -1), offs=offs)
+    if te is not None:
+        fc1 = te.GroupedLinear(e, h, 2 * f, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        fc2 = te.GroupedLinear(e, f, h, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        splits = [t] * e
+        # Megatron's TEGroupedMLP (moe_grouped_gemm with the TE spec)
+        impls["te_grouped_linear"] = lambda: fc2(_swiglu(fc1(x, splits)), splits)
+    return impls
+
+
+def moe_grouped_gemm(te):
+    for h, f in MOE_EXPERT_SHAPES:
+        for e in MOE_LOCAL_EXPERTS:
+            for t in MOE_TOKENS_PER_EXPERT:
+                _grouped_case(h, f, e, t, te)
+                torch.cuda.empty_cache()
+
+
+def _grouped_case(h, f, e, t, te):
+    fl = 6.0 * e * t * h * f  # SwiGLU expert forward: 2*t*h*2f + 2*t*f*h per expert
+    gy = torch.randn(e * t, h, device=dev, dtype=torch.bfloat16)
+    for name, fwd in _expert_impls(h, f, e, t, te).items():
+        rec = {"impl": name, "hidden": h, "ffn": f, "local_experts": e, "tokens_per_expert": t}
+        try:
+            tf = bench(fwd, rep=MOE_REP_MS)
+            tfb = bench(lambda fwd=fwd: fwd().backward(gy), rep=MOE_REP_MS)
+            emit(kind="moe_grouped_gemm", **rec, fwd_s=tf, fwd_bwd_s=tfb, fwd_tflops=fl / tf / 1e12,
+                 fwd_bwd_tflops=3 * fl / tfb / 1e12)
+        except Exception as exc:
+            emit(kind="moe_grouped_gemm", **rec, error=repr(exc)[:300])
+
+
+def _routing(T, E, k):
+    """A top-k routing of T tokens over E experts: (bool map [T, E], bf16 probs [T, E])."""
+    scores = torch.randn(T, E, device=dev).softmax(-1)
+    p, idx = torch.topk(scores, k)
+    rmap = torch.zeros(T, E, dtype=torch.bool, device=dev).scatter_(1, idx, True)
+    probs = torch.zeros(T, E, device=dev).scatter_(1, idx, p).to(torch.bfloat16)
+    return rmap, probs
+
+
+def moe_permute():
+    for T in MOE_TOKENS:
+        for h, _, E, k in (*MOE_LAYERS, (4096, 0, 64, 8)):
+            for fused in (False, True):
+                _permute_case(T, h, E, k, fused)
+
+
+def _permute_case(T, h, E, k, fused):
+    """Megatron's permute (tokens and probs, as the alltoall dispatcher calls it) and unpermute."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    rmap, probs = _routing(T, E, k)
+    x = torch.randn(T, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(T, h, device=dev, dtype=torch.bfloat16)
+    rec = {"fused": fused, "tokens": T, "hidden": h, "experts": E, "topk": k}
+
+    def fwd():
+        out, _, idx, _, _ = permute(x, rmap, probs=probs, num_out_tokens=T * k, fused=fused)
+        return out, idx
+
+    def back():
+        return unpermute(*fwd(), x.shape, routing_map=rmap, fused=fused)
+
+    try:
+        out, idx = fwd()
+        tp = bench(fwd, rep=MOE_REP_MS)
+        tu = bench(lambda: unpermute(out, idx, x.shape, routing_map=rmap, fused=fused), rep=MOE_REP_MS)
+        tfb = bench(lambda: back().backward(g), rep=MOE_REP_MS)
+        emit(kind="moe_permute", **rec, permute_fwd_s=tp, unpermute_fwd_s=tu, roundtrip_fwd_bwd_s=tfb,
+             permute_gbps=2 * T * k * h * 2 / tp / 1e9)
+    except Exception as exc:
+        emit(kind="moe_permute", **rec, error=repr(exc)[:300])
+
+
+def moe_router():
+    for T in MOE_TOKENS:
+        for h, _, E, k in MOE_LAYERS:
+            for fused in (False, True):
+                for aux in (False, True):
+                    _router_case(T, h, E, k, fused, aux)
+
+
+def _router_case(T, h, E, k, fused, aux):
+    from megatron.core.transformer.moe.moe_utils import (
+        compute_routing_scores_for_aux_loss,
+        switch_load_balancing_loss_func,
+        topk_routing_with_score_function,
+    )
+
+    x = torch.randn(T, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = (0.02 * torch.randn(E, h, device=dev, dtype=torch.bfloat16)).requires_grad_()
+    rec = {"fused": fused, "aux_loss": aux, "tokens": T, "hidden": h, "experts": E, "topk": k}
+
+    def run():
+        logits = F.linear(x, w)  # router_gating_linear in the input dtype
+        probs, _ = topk_routing_with_score_function(logits, k, fused=fused)
+        loss = probs.float().sum()
+        if aux:  # --moe-aux-loss-coeff > 0: the scores and the switch loss
+            rmap, scores = compute_routing_scores_for_aux_loss(logits, k, "softmax", fused=fused)
+            loss = loss + switch_load_balancing_loss_func(scores, rmap.sum(0), T, k, E, 1e-2, fused=fused)
+        loss.backward()
+
+    try:
+        emit(kind="moe_router", **rec, fwd_bwd_s=bench(run, rep=MOE_REP_MS))
+    except Exception as exc:
+        emit(kind="moe_router", **rec, error=repr(exc)[:300])
+
+
+def _moe_layer(h, f, E, k, T, te):
+    """One MoE layer's local work (no dispatcher communication): router, fused permute, TE grouped
+    experts, fused unpermute; balanced routing (T*k/E tokens per expert), as a forward callable."""
+    from megatron.core.transformer.moe.moe_utils import permute, topk_routing_with_score_function, unpermute
+
+    x = torch.randn(T, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = (0.02 * torch.randn(E, h, device=dev, dtype=torch.bfloat16)).requires_grad_()
+    fc1 = te.GroupedLinear(E, h, 2 * f, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    fc2 = te.GroupedLinear(E, f, h, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    rmap, _ = _routing(T, E, k)
+    splits = [T * k // E] * E  # a fixed split keeps the host list static, as graphs need
+
+    def fwd():
+        probs, _ = topk_routing_with_score_function(F.linear(x, w), k, fused=True)
+        out, pprobs, idx, _, _ = permute(x, rmap, probs=probs, num_out_tokens=T * k, fused=True)
+        y = fc2(_swiglu(fc1(out, splits)) * pprobs.unsqueeze(-1).to(out.dtype), splits)
+        return unpermute(y, idx, x.shape, routing_map=rmap, fused=True)
+
+    return x, fwd
+
+
+def moe_layer_graph(te):
+    """Eager vs CUDA-graph replay of one MoE layer's forward and forward+backward; host_issue_s is the
+    CPU time to launch one eager forward+backward (the GPU waits when it exceeds the kernels' time)."""
+    for h, f, E, k in MOE_LAYERS:
+        rec = {"hidden": h, "ffn": f, "experts": E, "topk": k, "tokens": 4096}
+        try:
+            emit(kind="moe_layer_graph", **rec, **_layer_case(h, f, E, k, 4096, te))
+        except Exception as exc:
+            emit(kind="moe_layer_graph", **rec, error=repr(exc)[:300])
+        torch.cuda.empty_cache()
+
+
+def _layer_case(h, f, E, k, T, te) -> dict:
+    import time
+
+    _, fwd = _moe_layer(h, f, E, k, T, te)
+    g = torch.randn(T, h, device=dev, dtype=torch.bfloat16)
+
+    def step():
+        fwd().backward(g)
+
+    rec = {"eager_fwd_s": bench(fwd, rep=MOE_REP_MS), "eager_fwd_bwd_s": bench(step, rep=MOE_REP_MS)}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        step()
+    rec["host_issue_s"] = (time.perf_counter() - t0) / 10
+    torch.cuda.synchronize()
+    return {**rec, **_graphed(fwd, step)}
+
+
+def _graphed(fwd, step) -> dict:
+    out = {}
+    for name, fn in (("fwd", fwd), ("fwd_bwd", step)):
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(3):
+                    fn()
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            out[f"graph_{name}_s"] = bench(graph.replay, rep=MOE_REP_MS)
+        except Exception as exc:
+            out[f"graph_{name}_error"] = repr(exc)[:300]
+    return out
+
+
+def moe():
+    te = _te()
+    moe_grouped_gemm(te)
+    for part in (moe_permute, moe_router):
+        try:
+            part()
+        except Exception as exc:
+            emit(kind="section_error", section=part.__name__, error=repr(exc)[:500])
+    if te is not None:
+        moe_layer_graph(te)
+
+
 def main():
     props = torch.cuda.get_device_properties(0)
     emit(kind="device", name=props.name, sms=props.multi_processor_count, torch=torch.__version__,
          mem_gib=props.total_memory / 2**30)
-    for f in (gemm_sweep, fp8_sweep, attention, unfused_attention, elementwise, cross_entropy, adam):
+    sections = [gemm_sweep, fp8_sweep, attention, unfused_attention, elementwise, cross_entropy, adam, moe]
+    wanted = set(sys.argv[1:])
+    unknown = wanted - {f.__name__ for f in sections}
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {[f.__name__ for f in sections]}")
+    for f in [f for f in sections if not wanted or f.__name__ in wanted]:
         try:
             f()
         except Exception as e:

@@ -25,7 +25,9 @@ How to run (Python 3.12, torch installed, megatron-core 0.19.2 and its needs on 
     PYTHONPATH=/tmp/site python benchmarks/megatron_args_check.py | tee benchmarks/results/megatron_args_check.txt
 
 Exit status 0 when every file passes. `--generate` (run in the project venv instead) rewrites the
-.txt files from the representative plans in REPRESENTATIVE below.
+.txt files from the representative plans in REPRESENTATIVE below and recommend_parallelism's top
+plans in RECOMMENDED. `--batch FILE...` checks several files in one process (the test path:
+tests/rendering/test_render_catalog.py renders every catalog model and checks them this way).
 """
 
 from __future__ import annotations
@@ -65,9 +67,19 @@ def read_args_file(path: Path) -> tuple[dict[str, str], list[str], list[str]]:
     return meta, env_set, argv
 
 
-# ---- one file, in its own process ----------------------------------------------------------------
+# ---- checking argv sets ---------------------------------------------------------------------------
 
-def check_one(path: Path) -> int:
+def _pin_device(arch: int) -> None:
+    import megatron.training.arguments as margs
+    import torch
+
+    margs.get_device_arch_version = lambda: arch
+    if not torch.cuda.is_available():
+        torch.cuda.get_device_capability = lambda *a, **k: (arch, 0)
+
+
+def check_file(path: Path) -> int:
+    """Parse, validate and build the TransformerConfig of one rendered-args file; print OK or FAIL."""
     meta, env_set, argv = read_args_file(path)
     for name in meta["unset"].split():
         os.environ.pop(name, None)
@@ -80,13 +92,9 @@ def check_one(path: Path) -> int:
     sys.argv = ["pretrain_gpt.py", *argv]
 
     import megatron.training.arguments as margs
-    import torch
     from megatron.training.arguments import parse_args, validate_args
 
-    margs.get_device_arch_version = lambda: arch
-    if not torch.cuda.is_available():
-        torch.cuda.get_device_capability = lambda *a, **k: (arch, 0)
-
+    _pin_device(arch)
     te_installed = importlib.util.find_spec("transformer_engine") is not None
     notes: list[str] = []
     stage = "parse"
@@ -115,6 +123,21 @@ def check_one(path: Path) -> int:
     print(f"OK   {path.name} (world {meta.get('world_size')}, arch {arch}, dp {args.data_parallel_size}, "
           f"vp {args.virtual_pipeline_model_parallel_size}, {len(argv)} tokens)" + "".join(f"; {n}" for n in notes))
     return 0
+
+
+def check_batch(paths: list[Path]) -> int:
+    """Several files in this one process (one megatron import instead of one per file): for tests.
+    Each file sets its own environment; parse_args builds a fresh parser and namespace every time."""
+    saved = dict(os.environ)
+    failed = 0
+    for path in paths:
+        try:
+            failed += check_file(path)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    print(f"{len(paths) - failed}/{len(paths)} passed")
+    return 1 if failed else 0
 
 
 def check_all() -> int:
@@ -202,30 +225,77 @@ REPRESENTATIVE: dict[str, tuple[dict, dict]] = {
          "parallelism": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
          "implementation": {"manual_gc": True, "manual_gc_interval": 10}},
         {"launcher": "torchrun", "profile": True, "nsys": True}),
+    # Model settings the catalog carries (issue 12): RoPE base and Llama 3.1 scaling, norm epsilon, q/k norms,
+    # routers (sigmoid, expert bias, group-limited routing, aux losses), MLA's YaRN factor, squared ReLU with
+    # partial RoPE, and a dropout > 0 plan.
+    "09_llama3.1-70b_rope_scaling_tp8_pp2": (
+        {"model": {"name": "llama3.1-70b"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 32},
+         "training": {"seq_length": 8192, "global_batch_size": 64},
+         "parallelism": {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 2, "sequence_parallel": True}},
+        {"launcher": "slurm", "allow_invalid": True}),
+    "10_qwen3-30b-a3b_qk_layernorm_ep8": (
+        {"model": {"name": "qwen3-30b-a3b"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 8},
+         "training": {"seq_length": 4096, "global_batch_size": 64},
+         "parallelism": {"expert_model_parallel_size": 8}},
+        {"launcher": "torchrun", "allow_invalid": True}),
+    "11_deepseek-v2-lite_mla_yarn_ep8": (
+        {"model": {"name": "deepseek-v2-lite"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 8},
+         "training": {"seq_length": 4096, "global_batch_size": 64},
+         "parallelism": {"expert_model_parallel_size": 8}},
+        {"launcher": "torchrun", "allow_invalid": True}),
+    "12_nemotron4-340b_squared_relu_dropout": (
+        {"model": {"name": "nemotron4-340b"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 768},
+         "training": {"seq_length": 4096, "global_batch_size": 768, "attention_dropout": 0.1, "hidden_dropout": 0.1},
+         "parallelism": {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 12,
+                         "virtual_pipeline_model_parallel_size": 8, "sequence_parallel": True}},
+        {"launcher": "slurm", "allow_invalid": True}),
+}
+
+# name -> (model, GPUs, seq_length): the top plan of recommend_parallelism for it, rendered as the CLI would.
+# The issue-12 report saw every one of these crash before its first step; they must stay runnable.
+RECOMMENDED: dict[str, tuple[str, int, int]] = {
+    "r1_recommend_llama3-70b_64": ("llama3-70b", 64, 8192),
+    "r2_recommend_llama3.1-405b_1024": ("llama3.1-405b", 1024, 8192),
+    "r3_recommend_mixtral-8x22b_256": ("mixtral-8x22b", 256, 4096),
+    "r4_recommend_deepseek-v3_1024": ("deepseek-v3", 1024, 4096),
 }
 
 _ARCH_MAJOR = {"ampere": 8, "hopper": 9, "blackwell": 10}
 
 
-def rendered_args_files() -> dict[str, str]:
-    """File name -> text of every rendered-args file, from REPRESENTATIVE through render_launch_script."""
+def args_file_text(name: str, plan, opts: dict) -> str:
+    """The rendered-args file of one plan: header lines (world size, architecture, environment) + argv."""
     from mcore_advisor.knowledge.hardware import gpu
-    from mcore_advisor.schemas import Plan
     from mcore_advisor.tools.render import RenderRequest, render_launch_script
 
-    files = {}
-    for name, (plan_dict, opts) in REPRESENTATIVE.items():
-        plan = Plan.model_validate(plan_dict)
-        art = render_launch_script(RenderRequest(plan=plan, **opts))
-        lines = [
-            f"# name {name}",
-            f"# world_size {plan.cluster.num_gpus}",
-            f"# arch {_ARCH_MAJOR[gpu(plan.cluster.gpu).architecture]}",
-            *(f"# env {e.name}={e.value}" for e in art.env if e.action == "set"),
-            *(f"# unset {e.name}" for e in art.env if e.action == "unset"),
-            *art.megatron_args,
-        ]
-        files[f"{name}.txt"] = "\n".join(lines) + "\n"
+    art = render_launch_script(RenderRequest(plan=plan, **opts))
+    lines = [
+        f"# name {name}",
+        f"# world_size {plan.cluster.num_gpus}",
+        f"# arch {_ARCH_MAJOR[gpu(plan.cluster.gpu).architecture]}",
+        *(f"# env {e.name}={e.value}" for e in art.env if e.action == "set"),
+        *(f"# unset {e.name}" for e in art.env if e.action == "unset"),
+        *art.megatron_args,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def recommended_plan(model: str, num_gpus: int, seq_length: int):
+    from mcore_advisor.tools.recommend import recommend_parallelism, request_from_options
+
+    req = request_from_options(model=model, gpu="h100-sxm", num_gpus=num_gpus, seq_length=seq_length, top_k=1, what_if=False)
+    return recommend_parallelism(req).plans[0].plan
+
+
+def rendered_args_files() -> dict[str, str]:
+    """File name -> text of every rendered-args file, from REPRESENTATIVE and RECOMMENDED through render_launch_script."""
+    from mcore_advisor.schemas import Plan
+
+    files = {f"{name}.txt": args_file_text(name, Plan.model_validate(plan_dict), opts)
+             for name, (plan_dict, opts) in REPRESENTATIVE.items()}
+    for name, (model, n, s) in RECOMMENDED.items():
+        plan = recommended_plan(model, n, s)
+        files[f"{name}.txt"] = args_file_text(name, plan, {"launcher": "slurm" if n > 8 else "torchrun"})
     return files
 
 
@@ -242,6 +312,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--generate"]:
         generate()
     elif sys.argv[1:2] == ["--one"]:
-        sys.exit(check_one(Path(sys.argv[2])))
+        sys.exit(check_file(Path(sys.argv[2])))
+    elif sys.argv[1:2] == ["--batch"]:
+        sys.exit(check_batch([Path(a) for a in sys.argv[2:]]))
     else:
         sys.exit(check_all())

@@ -13,8 +13,12 @@ Rows:
 3. Any GPU sweep result another engineer left in benchmarks/results/*.json with a plan and a
    measured peak allocated (a number, or a per-rank list whose max is taken). Where the row says
    what the profile job actually ran (result.transformer_impl, result.settings), the plan is
-   corrected to it: the job (launcher/entry/profile.py) always sets cross_entropy_fusion_impl
-   'native' and fuses the loss only on a GPU.
+   corrected to it (launcher/as_ran.py).
+4. The H100 evidence set of Megatron-LM's own training loop (gpu_h100_megatron_runs.jsonl, issue 14;
+   benchmarks/gpu/megatron_rows.py): one-GPU runs against the most-loaded rank's prediction and
+   fake-process-group rows (one rank of a plan's world) against the prediction for that rank's
+   stage, per term where the job measures one. Reported apart from the rest: Transformer Engine and
+   the local spec separately, and the held-out third (fixed hash rule) separately from the rest.
 
 Peak reserved (max_memory_reserved) is compared too where the source gives it: the error of the
 fragmentation allowance (physics.memory.fragmentation_fraction) on top of the allocated figure.
@@ -44,7 +48,11 @@ from mcore_advisor.schemas import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+import megatron_rows  # noqa: E402
 from _probe import probe_plan  # noqa: E402  (benchmarks/ is not a package)
+
+from mcore_advisor.launcher.as_ran import rank_terms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -128,11 +136,14 @@ def _load_items(p: Path) -> list:
     return data if isinstance(data, list) else data.get("runs") or data.get("results") or [data]
 
 
-def _sweep_rows() -> list[tuple[str, str, Plan, float, bool | None]]:
+def _sweep_rows() -> list[tuple[str, str, Plan, float]]:
     """benchmarks/results/*.json(l): rows with a 'plan' and a measured peak allocated GiB, either at
-    the top level or in 'result' (benchmarks/gpu/runner.py rows: per-rank list, max taken)."""
+    the top level or in 'result' (benchmarks/gpu/runner.py rows: per-rank list, max taken). The
+    Megatron-loop H100 set is reported in its own section."""
     out = []
     for p in sorted([*RESULTS.glob("*.json"), *RESULTS.glob("*.jsonl")]):
+        if p.name == megatron_rows.FILE:
+            continue
         for i, it in enumerate(_load_items(p)):
             if not isinstance(it, dict) or it.get("status", "ok") != "ok":
                 continue
@@ -153,18 +164,56 @@ def _sweep_rows() -> list[tuple[str, str, Plan, float, bool | None]]:
                                          it.get("peak_reserved_gib") or res.get("peak_reserved_gib"))
             if reserved is not None:
                 RESERVED[label] = reserved
-            out.append((label, p.name, plan, measured, ran.output_layer_wgrad_fusion))
+            out.append((label, p.name, plan, measured))
     return out
 
 
+def _stats(errs: list[float]) -> str:
+    a = [abs(e) for e in errs]
+    return (f"n={len(a):2d}  median |err| {statistics.median(a):5.2f}%  max |err| {max(a):5.2f}%  "
+            f"mean signed {statistics.fmean(errs):+5.2f}%") if a else "n= 0"
+
+
+def megatron_section() -> list[str]:
+    """Section 4: Megatron-LM's own loop on H100 (module docstring)."""
+    rows = megatron_rows.load()
+    if not rows:
+        return []
+    lines = ["", "Megatron-LM's own training loop on H100 (gpu_h100_megatron_runs.jsonl; held out: sha256(name)[0] % 3 == 0):",
+             f"{'run':34s} {'part':8s} {'spec':18s} {'pred GiB':>9s} {'meas GiB':>9s} {'err %':>7s}  terms (fake process group)"]
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        measured = max(r.result["peak_allocated_gib"])
+        terms = ""
+        if r.group == "at_scale":
+            pred, term_rows, _ = rank_terms(r.plan, r.result)
+            terms = "; ".join(f"{t['term']} {t['error_pct']:+.2f}%" for t in term_rows if t["error_pct"] is not None)
+            key = f"fake-PG/{r.part}"
+            spec = f"{r.impl} rank {r.result['measured_rank']}"
+        else:
+            pred = memory_breakdown(r.plan).peak_allocated_gib
+            key = f"{'TE' if r.impl == 'transformer_engine' else 'local'}/{r.part}"
+            spec = r.impl
+        err = 100.0 * (pred / measured - 1.0)
+        groups.setdefault(key, []).append(err)
+        lines.append(f"{r.name:34s} {r.part:8s} {spec:18s} {pred:9.2f} {measured:9.2f} {err:+7.2f}  {terms}")
+    lines.append("")
+    for key in sorted(groups):
+        lines.append(f"{key:18s} {_stats(groups[key])}")
+    te_all = [e for k, v in groups.items() if not k.startswith("local") for e in v]
+    lines.append(f"{'TE + fake-PG, all':18s} {_stats(te_all)}")
+    lines.append(f"{'local, all':18s} {_stats([e for k, v in groups.items() if k.startswith('local') for e in v])}")
+    return lines
+
+
 def main() -> int:
-    rows = [(*r, None) for r in _h200_rows() + _bridge_rows()] + _sweep_rows()
+    rows = _h200_rows() + _bridge_rows() + _sweep_rows()
     lines = [f"{'case':70s} {'source':32s} {'pred GiB':>9s} {'meas GiB':>9s} {'err %':>7s}  most-loaded (first/middle/last peaks)"]
     errs: dict[str, list[float]] = {}
     res_errs: dict[str, list[float]] = {}
     frag_meas: dict[str, list[float]] = {}
-    for label, src, plan, measured, out_fusion in rows:
-        bd = memory_breakdown(plan, output_layer_wgrad_fusion=out_fusion)
+    for label, src, plan, measured in rows:
+        bd = memory_breakdown(plan)
         err = 100.0 * (bd.peak_allocated_gib / measured - 1.0)
         group = "h200" if src.startswith("device") else ("bridge" if src.startswith("MBRIDGE") else "sweep")
         errs.setdefault(group, []).append(err)
@@ -194,6 +243,7 @@ def main() -> int:
         lines.append(f"{name:18s} n={len(v):3d}  median |err| {statistics.median(a):5.2f}%  max |err| {max(a):5.2f}%  "
                      f"mean signed {statistics.fmean(v):+5.2f}%  measured reserved/allocated - 1: median "
                      f"{statistics.median(fm):.1f}% (range {min(fm):.1f}-{max(fm):.1f}%)")
+    lines += megatron_section()
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     RESULTS.mkdir(parents=True, exist_ok=True)

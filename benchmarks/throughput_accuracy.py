@@ -9,7 +9,11 @@ and compare. Measured tokens/s come from the row, or from its TFLOP/s in the row
   full / causal: physics.flops.flops_per_iteration in that convention.
 Also: the H200 device measurements (shared/data/device-measurements-h200.jsonl), the Megatron
 pretrain_gpt.py runs of shared/reference/device-probe/TE-on-gpu.md, and any GPU run another engineer
-left in benchmarks/results/*.json with tokens/s and a plan.
+left in benchmarks/results/*.json with tokens/s and a plan. The H100 evidence set of Megatron-LM's
+own training loop (gpu_h100_megatron_runs.jsonl, issue 14; benchmarks/gpu/megatron_rows.py) is
+reported in its own section: step time of the one-GPU rows, Transformer Engine and the local spec
+separately, the held-out third (fixed hash rule) apart from the rest (its fake-process-group rows
+measure memory only: one rank's compute without communication is no step time).
 
 The predictor never sees the table; only this script reads it.
 
@@ -33,6 +37,8 @@ from mcore_advisor.schemas import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+import megatron_rows  # noqa: E402
 from _probe import probe_plan  # noqa: E402  (benchmarks/ is not a package)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +155,7 @@ def gpu_run_cases() -> list[Case]:
     plain {plan, tokens_per_s_per_gpu}."""
     out = []
     for p in sorted([*RESULTS.glob("*.json"), *RESULTS.glob("*.jsonl")]):
-        if p.name.startswith(("kernel_probe", "nccl_probe")):
+        if p.name.startswith(("kernel_probe", "nccl_probe")) or p.name == megatron_rows.FILE:
             continue
         try:
             text = p.read_text()
@@ -307,8 +313,9 @@ def host_bound_evidence(c: Case, floors: dict[str, tuple[float, str]], rows: lis
     res = row.get("result") or {}
     busy = res.get("device_busy_s_per_profiled_iteration")
     tb = _trace_busy(row.get("name", "")) if row else None
-    if busy is not None and res.get("device_idle_fraction_profiled") is not None:
-        ev.append(f"trace: GPU busy {busy:.3f} s per profiled iteration ({100 * res['device_idle_fraction_profiled']:.0f}% idle)")
+    idle = res.get("device_idle_fraction", res.get("device_idle_fraction_profiled"))
+    if busy is not None and idle is not None:
+        ev.append(f"trace: GPU busy {busy:.3f} s per profiled iteration ({100 * idle:.0f}% idle)")
     elif tb:
         ev.append(f"trace: GPU kernels busy {tb[0]:.3f} s of a {tb[1]:.3f} s profiled iteration, no per-micro-batch host sync")
     steps_s = res.get("step_times_s") or []
@@ -371,6 +378,33 @@ def explain(c: Case) -> str:
             f"    likely cause: {'; '.join(why) or 'not identified'}")
 
 
+def megatron_section() -> list[str]:
+    """Step time of the one-GPU rows of Megatron-LM's own loop on H100 (module docstring)."""
+    rows = [r for r in megatron_rows.load() if r.group == "megatron" and r.result.get("iter_s")]
+    if not rows:
+        return []
+    lines = ["", "Megatron-LM's own training loop on H100, step time (gpu_h100_megatron_runs.jsonl; held out: sha256(name)[0] % 3 == 0):",
+             f"{'run':32s} {'part':8s} {'spec':18s} {'pred s':>8s} {'meas s':>8s} {'err %':>7s}  measured TFLOP/s causal; GPU idle in the trace"]
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        pred = step_time(r.plan).iteration_time_s
+        meas = r.result["iter_s"]
+        err = 100.0 * (pred / meas - 1.0)
+        groups.setdefault(f"{'TE' if r.impl == 'transformer_engine' else 'local'}/{r.part}", []).append(err)
+        busy, idle = r.result.get("device_busy_s_per_profiled_iteration"), None
+        if busy:
+            idle = max(0.0, 1.0 - busy / meas)  # GPU busy of the traced iteration against the unprofiled step
+        idle_txt = f"; GPU idle {100 * idle:.0f}%" if idle is not None else ""
+        lines.append(f"{r.name:32s} {r.part:8s} {r.impl:18s} {pred:8.3f} {meas:8.3f} {err:+7.1f}  "
+                     f"{r.result['tflops_per_gpu_causal']:.1f}{idle_txt}")
+    lines.append("")
+    for key in sorted(groups):
+        a = [abs(e) for e in groups[key]]
+        lines.append(f"{key:15s} n={len(a):2d}  median |err| {statistics.median(a):5.1f}%  max |err| {max(a):5.1f}%  "
+                     f"mean signed {statistics.fmean(groups[key]):+5.1f}%")
+    return lines
+
+
 def main() -> int:
     pub, skipped = published_cases()
     cases = pub + device_cases() + gpu_run_cases()
@@ -425,6 +459,7 @@ def main() -> int:
             lines.append(explain(c))
     if skipped:
         lines += ["", "Rows with throughput but no buildable plan:"] + [f"  {s}" for s in skipped]
+    lines += megatron_section()
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "throughput_accuracy.txt").write_text(text)

@@ -5,25 +5,33 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-py=${PYTHON:-}
-if [ -z "$py" ]; then
-  # megatron-core 0.16.1 (the CPU test path) is the newest release for Python 3.11.
-  if command -v python3.11 >/dev/null 2>&1; then py=python3.11; else py=python3; fi
-fi
+# The profile job runs megatron.training (megatron-core >= 0.17), which needs Python >= 3.12.
+py=${PYTHON:-python3.12}
+command -v "$py" >/dev/null 2>&1 || { echo "test.sh: $py not found; set PYTHON to a Python >= 3.12" >&2; exit 1; }
 [ -x .venv/bin/python ] || "$py" -m venv .venv
-# torch is pinned to the CPU build this machine kind ships; a bare 'torch' may pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" "megatron-core==0.16.1" -e ".[job,test]"
+# PyPI's torch for 3.12 is its CUDA build: it runs on the CPU too and brings triton, which
+# megatron-core 0.19.2 imports (about 2 minutes and 5.5 GB for the whole install).
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.14.1" "megatron-core==0.19.2" -e ".[job,test]"
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   if ! command -v shellcheck >/dev/null 2>&1; then
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq shellcheck >/dev/null \
       || echo "test.sh: could not install shellcheck; its checks will be skipped" >&2
   fi
+  # Stop on exit the daemons this run starts (not a cluster that was already up); KEEP_SLURM=1 keeps them.
+  ctld_pid="${SLURM_RUN_DIR:-/tmp/mcore-advisor-slurm}/run/slurmctld.daemon.pid"
+  slurm_was_up=0
+  if [ -f "$ctld_pid" ] && kill -0 "$(cat "$ctld_pid")" 2>/dev/null; then slurm_was_up=1; fi
   if slurm_env=$(scripts/slurm/up.sh --env 2>/dev/null); then
     eval "$slurm_env"
+    if [ "$slurm_was_up" = 0 ] && [ "${KEEP_SLURM:-0}" != 1 ]; then
+      trap 'scripts/slurm/down.sh >/dev/null || echo "test.sh: scripts/slurm/down.sh failed" >&2' EXIT
+    fi
   else
     echo "test.sh: local Slurm did not come up; Slurm tests will be skipped" >&2
   fi
 fi
 
-exec .venv/bin/python -m pytest -q "$@"
+# real MCP clients (MCP Inspector CLI, skills CLI) for tests/server/test_inspector.py and test_skill.py
+scripts/install_clients.sh
+.venv/bin/python -m pytest -q "$@"

@@ -2,13 +2,15 @@
 
     python3 benchmarks/gpu/collect.py --session s2 /work/.device/6 /work/.device/12 ...
 
-Appends each call's rows to gpu_h200_runs.jsonl (issue-7 targets), gpu_memory_sweep.jsonl and
-gpu_recommend_sweep.jsonl, tagged `device_call` = SESSION/CALL (call folders are numbered per
-session, so the tag keeps sessions apart; re-merging a call replaces its rows). Adds each call's
-env.json (per-GPU matmul rate) to gpu_h200_env.json, train logs to gpu_logs/SESSION/, a few rank-0
-traces to gpu_traces/, and regenerates gpu_h200_table.md (every run) and gpu_h200_targets.md (the
-issue-7 targets per run, with the GPU's own matmul rate). gpu_h200_summary.md is the hand-kept
-narrative. Figures are copied, never recomputed or extrapolated.
+Appends each call's rows to the file of their group (FILES: the H200 runs of the earlier bespoke
+profile job in gpu_h200_runs.jsonl (issue-7 targets), gpu_memory_sweep.jsonl,
+gpu_recommend_sweep.jsonl, gpu_gc_runs.jsonl; the H100 runs through Megatron-LM's own loop, groups
+'megatron' and 'at_scale', in gpu_h100_megatron_runs.jsonl), tagged `device_call` = SESSION/CALL
+(call folders are numbered per session, so the tag keeps sessions apart; re-merging a call replaces
+its rows). 'smoke' rows are not kept. Adds each call's env.json (per-GPU matmul rate) to the env file
+(--env-file), train logs to gpu_logs/SESSION/, a few rank-0 traces to gpu_traces/, and regenerates
+gpu_h200_table.md, gpu_h200_targets.md and gpu_h100_megatron_table.md. gpu_h200_summary.md is the
+hand-kept narrative. Figures are copied, never recomputed or extrapolated.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE.parent / "results"
-KEEP_TRACES = ("t_gpt1.3b_te_bf16_mbs8", "m_gpt1.3b_dp2_distopt_mbs4")
+KEEP_TRACES = ("t_gpt1.3b_te_bf16_mbs8", "m_gpt1.3b_dp2_distopt_mbs4", "d13_te_s2k_mbs4")
 FILES = {"target": "gpu_h200_runs.jsonl", "memory": "gpu_memory_sweep.jsonl", "recommend": "gpu_recommend_sweep.jsonl",
-         "gc": "gpu_gc_runs.jsonl"}
+         "gc": "gpu_gc_runs.jsonl", "megatron": "gpu_h100_megatron_runs.jsonl", "at_scale": "gpu_h100_megatron_runs.jsonl"}
+MEGATRON_FILE = "gpu_h100_megatron_runs.jsonl"
 # Published Megatron-LM pretrain_gpt.py figures on this machine type (shared reference TE-on-gpu.md)
 # and the SDPA probe (shared data device-measurements-h200.jsonl): the issue-7 targets.
 TARGETS = {
@@ -49,22 +52,25 @@ def _base(work_dir: str) -> str:
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--session", required=True, help="tag of this session's calls, e.g. s2")
+    ap.add_argument("--env-file", default="gpu_h200_env.json", help="where the calls' env.json go (e.g. gpu_h100_env.json)")
     ap.add_argument("dirs", nargs="+")
     a = ap.parse_args(argv)
-    rows = {g: [json.loads(x) for x in (RESULTS / f).read_text().splitlines() if x.strip()] if (RESULTS / f).exists() else []
-            for g, f in FILES.items()}
-    env_path = RESULTS / "gpu_h200_env.json"
+    by_file: dict[str, list[dict]] = {f: [json.loads(x) for x in (RESULTS / f).read_text().splitlines() if x.strip()]
+                                      if (RESULTS / f).exists() else [] for f in set(FILES.values())}
+    env_path = RESULTS / a.env_file
     env: dict = json.loads(env_path.read_text()) if env_path.exists() else {}
     added = 0
     for d in map(Path, a.dirs):
         call = f"{a.session}/{d.name}"
         if (d / "results.jsonl").exists():
             new = [json.loads(x) for x in (d / "results.jsonl").read_text().splitlines() if x.strip()]
-            for g in rows:
-                rows[g] = [r for r in rows[g] if r.get("device_call") != call]
+            for f in by_file:
+                by_file[f] = [r for r in by_file[f] if r.get("device_call") != call]
             for r in new:
+                if r["group"] not in FILES:
+                    continue  # smoke checks of the entry on the machine
                 r["device_call"] = call
-                rows[r["group"]].append(r)
+                by_file[FILES[r["group"]]].append(r)
                 added += 1
         if (d / "env.json").exists():
             env[f"call_{call}"] = json.loads((d / "env.json").read_text())
@@ -83,12 +89,14 @@ def main(argv: list[str]) -> None:
                     if _base(work) in KEEP_TRACES:
                         m.name = f"{a.session}_{d.name}_{m.name}"
                         tf.extract(m, RESULTS / "gpu_traces", filter="data")
-    for g, fname in FILES.items():
-        (RESULTS / fname).write_text("".join(json.dumps(r) + "\n" for r in rows[g]))
+    for fname, file_rows in by_file.items():
+        (RESULTS / fname).write_text("".join(json.dumps(r) + "\n" for r in file_rows))
     env_path.write_text(json.dumps(env, indent=1))
-    every = [r for g in FILES for r in rows[g]]
-    (RESULTS / "gpu_h200_table.md").write_text(table(every))
-    (RESULTS / "gpu_h200_targets.md").write_text(targets(rows["target"], env))
+    h200 = [r for f in dict.fromkeys(FILES.values()) if f != MEGATRON_FILE for r in by_file[f]]
+    (RESULTS / "gpu_h200_table.md").write_text(table(h200))
+    h200_env = json.loads((RESULTS / "gpu_h200_env.json").read_text()) if (RESULTS / "gpu_h200_env.json").exists() else {}
+    (RESULTS / "gpu_h200_targets.md").write_text(targets(by_file[FILES["target"]], h200_env))
+    (RESULTS / "gpu_h100_megatron_table.md").write_text(megatron_table(by_file[MEGATRON_FILE]))
     print(f"{added} runs merged")
 
 
@@ -145,6 +153,38 @@ def targets(rows: list[dict], env: dict) -> str:
         conv = "causal" if key.endswith("causal") else "full"
         lines.append(f"| {call} | {name} | {','.join(map(str, r.get('gpus', [])))} | {mm_s} | {gaf or 'off'} | "
                      f"{res.get('iter_s', float('nan')):.4f} ({n}) | {got if got is None else round(got, 1)} {conv} | {want} | {verdict} | {git} |")
+    return "\n".join(lines) + "\n"
+
+
+def megatron_table(rows: list[dict]) -> str:
+    """The runs of Megatron-LM's own loop (profile job since issue 14), one row each."""
+    lines = [
+        "# GPU evidence: Megatron-LM's own training loop on H100 (profile job, issue 14)",
+        "",
+        "Each row ran `python -m mcore_advisor.launcher.entry.profile` = megatron.training.pretrain on the argv",
+        "render_launch_script renders for the plan (gpu_h100_megatron_runs.jsonl holds the plan, the argv as run and",
+        "every adjustment, Megatron's own iteration/memory lines, versions, device and git state). Step time =",
+        "median of the measured iterations' 'elapsed time per iteration' (Megatron's timer); TFLOP/s per GPU with",
+        "Megatron's num_floating_point_operations (causal convention); peak = torch.cuda max_memory_allocated /",
+        "max_memory_reserved. at_scale rows: one rank of the plan's world with --fake-process-group, memory after",
+        "iteration 2 (their step times are one rank's compute without communication, not the plan's step time).",
+        "",
+        "| call | run | group | device | TE | rank | step s | TFLOP/s causal | peak alloc GiB | peak reserved GiB | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        res = r.get("result") or {}
+        te = (res.get("versions") or {}).get("transformer_engine") or "-"
+        impl = res.get("transformer_impl") or "-"
+        step = res.get("iter_s")
+        tfl = res.get("tflops_per_gpu_causal")
+        alloc = ", ".join(f"{x:.2f}" for x in res.get("peak_allocated_gib") or []) or "-"
+        resv = ", ".join(f"{x:.2f}" for x in res.get("peak_reserved_gib") or []) or "-"
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r.get('error') or {}).get('error_type', '')}"
+        rank = res.get("measured_rank")
+        lines.append(f"| {r.get('device_call', '?')} | {r['name']} | {r['group']} | {res.get('device', '-')} | {impl} {te} | "
+                     f"{'-' if rank is None else rank} | {'-' if step is None else f'{step:.4f}'} | "
+                     f"{'-' if tfl is None else f'{tfl:.1f}'} | {alloc} | {resv} | {status} |")
     return "\n".join(lines) + "\n"
 
 

@@ -3,10 +3,21 @@
 Run here (the project venv, which has pydantic):  .venv/bin/python benchmarks/gpu/configs.py
 It writes benchmarks/gpu/specs.jsonl, one line per run: {name, group, nproc, needs_te, spec}. The
 GPU machine has no pydantic, so runner.py there reads only that file. Each spec carries the exact
-Plan (spec["plan"]) so estimate_memory / step_time can be compared with the measurement offline.
+Plan (spec["plan"]) and the Megatron argv rendered for it (spec["megatron_argv"]); the profile job
+runs Megatron-LM's own training loop on that argv (launcher/entry/profile.py), so every row is what
+the user's pretrain_gpt.py run of the rendered script would show.
 
-Groups: 'target' (issue-7 throughput targets), 'memory' (memory validation sweep), 'recommend'
-(GPT 1.3B micro-batch x recompute sweep for the recommender check).
+Groups (issue 14, deliverable 5; one H100):
+- 'megatron': single-GPU runs: dense GPT 1.3B and a Llama-style 1B (GQA, SwiGLU, RMSNorm, untied),
+  Transformer Engine and the local spec, recompute none / selective / full, seq 2k-16k, FP8 delayed
+  and tensorwise, a small MoE with TE's grouped GEMM;
+- 'at_scale': memory_at_scale (Megatron's --fake-process-group) of the memory model's most-loaded
+  rank of recommend_parallelism's top plans for Llama-3-70B on 64 H100s, Llama-3.1-405B on 1,024,
+  Mixtral-8x22B on 256 (EP) and DeepSeek-V3 on 1,024 (MLA, MTP). Their global batch is lowered to
+  2 x PP micro-batches per data-parallel rank (more than Megatron's schedule ever holds in flight:
+  1F1B holds at most PP, the interleaved schedule's warm-up (PP - r - 1) x 2 + (VP - 1) x PP + 1
+  chunks, fewer than 2 x PP x VP), so two iterations take seconds, not many minutes, at the same
+  peak; the rows carry the plan as run and are predicted for it.
 """
 
 from __future__ import annotations
@@ -15,15 +26,16 @@ import json
 from pathlib import Path
 
 from mcore_advisor.launcher.spec import job_spec
-from mcore_advisor.schemas import Plan
+from mcore_advisor.schemas import Plan, parallel_dims, with_changes
+from mcore_advisor.tools.recommend import RecommendRequest, recommend_parallelism
 
 HERE = Path(__file__).resolve().parent
+GPU = "h100-sxm"
 
 GPT13 = {"name": "gpt3-1.3b"}
-# GPT 2.7B as in TE-on-gpu.md: 32 layers, hidden 2560, 32 heads, 4h GeLU MLP, vocab 32768, RoPE.
-GPT27 = {"name": "gpt3-1.3b", "num_layers": 32, "hidden_size": 2560, "num_attention_heads": 32, "ffn_hidden_size": 10240}
-# A Llama-style GQA + SwiGLU + RMSNorm model of about 1.5B parameters.
-GQA = {
+# A Llama-style model of about 0.85B parameters: GQA (16 heads, 4 K/V groups), SwiGLU, RMSNorm,
+# no biases, untied embeddings, RoPE.
+LLAMA1B = {
     "num_layers": 16, "hidden_size": 2048, "num_attention_heads": 16, "num_query_groups": 4,
     "ffn_hidden_size": 5632, "vocab_size": 32000, "swiglu": True, "normalization": "RMSNorm",
     "add_bias_linear": False, "untie_embeddings_and_output_weights": True, "position_embedding_type": "rope",
@@ -35,72 +47,66 @@ MOE = {
     "add_bias_linear": False, "untie_embeddings_and_output_weights": True, "position_embedding_type": "rope",
     "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 2816, "moe_layer_freq": 1,
 }
-# Megatron-LM's command-line defaults (no distributed optimizer, no overlap), as the published
-# pretrain_gpt.py runs of TE-on-gpu.md used.
-MLM_DEFAULT_DDP = {"use_distributed_optimizer": False, "overlap_grad_reduce": False, "overlap_param_gather": False}
-NO_GAF = {"gradient_accumulation_fusion": False}
-LOCAL_SDPA = {"transformer_impl": "local", "attention_backend": "auto"}
-LOCAL_UNFUSED = {"transformer_impl": "local", "attention_backend": "unfused"}
+LOCAL = {"transformer_impl": "local"}
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 SEL = {"recompute_granularity": "selective"}
+FP8 = {"precision": "fp8", "fp8_format": "hybrid"}
+#: (model, GPUs, sequence length) of the at-scale plans the issue names
+AT_SCALE = (("llama3-70b", 64, 8192), ("llama3.1-405b", 1024, 8192), ("mixtral-8x22b", 256, 4096),
+            ("deepseek-v3", 1024, 4096))
 
 
-def plan(model, *, gpus=1, seq=2048, gbs=32, mbs=1, par=None, impl=None, train=None) -> Plan:
+def plan(model, *, seq=2048, tokens=65536, mbs=1, par=None, impl=None, train=None) -> Plan:
+    """A one-GPU plan with `tokens` per step (global batch = tokens / seq)."""
     return Plan(
         model=model,
-        cluster={"gpu": "h200", "num_gpus": gpus},
-        training={"seq_length": seq, "global_batch_size": gbs, "micro_batch_size": mbs, **(train or {})},
+        cluster={"gpu": GPU, "num_gpus": 1},
+        training={"seq_length": seq, "global_batch_size": tokens // seq, "micro_batch_size": mbs, **(train or {})},
         parallelism=par or {},
         implementation=impl or {},
     )
 
 
+def at_scale_plan(model: str, gpus: int, seq: int) -> Plan:
+    """recommend_parallelism's top plan with its global batch lowered to 2 x PP micro-batches per DP rank."""
+    rec = recommend_parallelism(RecommendRequest(model={"name": model}, cluster={"gpu": GPU, "num_gpus": gpus},
+                                                 seq_length=seq, top_k=1, what_if=False))
+    top = rec.plans[0].plan
+    d = parallel_dims(top)
+    return with_changes(top, "training", global_batch_size=2 * d.pp * d.dp * top.training.micro_batch_size)
+
+
 def runs() -> list[tuple[str, str, Plan, dict]]:
     """(name, group, plan, job_spec kwargs)."""
-    # Targets: 5 warm-up iterations (the first after the traced one ran 3% slow), 12 measured.
-    prof = {"warmup_steps": 5, "measure_steps": 12, "profile_steps": (3, 3)}
-    quick = {"warmup_steps": 2, "measure_steps": 3, "profile_steps": None}
-    quick_prof = {"warmup_steps": 2, "measure_steps": 3, "profile_steps": (2, 2)}
+    quick = {"warmup_steps": 2, "measure_steps": 4, "profile_steps": None}
+    traced = {"warmup_steps": 2, "measure_steps": 4, "profile_steps": (2, 2)}
     out = [
-        # (a) issue-7 targets
-        ("t_gpt1.3b_te_bf16_mbs8", "target", plan(GPT13, mbs=8, par=MLM_DEFAULT_DDP), prof),
-        ("t_gpt1.3b_te_fp8_mbs8", "target", plan(GPT13, mbs=8, par=MLM_DEFAULT_DDP, train={"precision": "fp8", "fp8_format": "hybrid"}), prof),
-        ("t_gpt2.7b_te_tp2sp_mbs8", "target", plan(GPT27, gpus=2, gbs=64, mbs=8, par={**MLM_DEFAULT_DDP, "tensor_model_parallel_size": 2, "sequence_parallel": True}), prof),
-        ("t_gpt1.3b_sdpa_mbs8", "target", plan(GPT13, mbs=8, par=MLM_DEFAULT_DDP, impl=LOCAL_SDPA), prof),
-        # Like-for-like with Megatron-LM's reference runs, which had no Apex and so passed
-        # --no-gradient-accumulation-fusion (the rows above let TE accumulate wgrad in the GEMM).
-        ("t_gpt1.3b_te_bf16_mbs8_nogaf", "target", plan(GPT13, mbs=8, par=MLM_DEFAULT_DDP, impl=NO_GAF), prof),
-        ("t_gpt1.3b_te_fp8_mbs8_nogaf", "target", plan(GPT13, mbs=8, par=MLM_DEFAULT_DDP, impl=NO_GAF, train={"precision": "fp8", "fp8_format": "hybrid"}), prof),
-        ("t_gpt2.7b_te_tp2sp_mbs8_nogaf", "target", plan(GPT27, gpus=2, gbs=64, mbs=8, impl=NO_GAF, par={**MLM_DEFAULT_DDP, "tensor_model_parallel_size": 2, "sequence_parallel": True}), prof),
-        # (b) memory validation sweep
-        ("m_gpt1.3b_unfused_mbs4", "memory", plan(GPT13, mbs=4, par=MLM_DEFAULT_DDP, impl=LOCAL_UNFUSED), quick),
-        ("m_gpt1.3b_sdpa_mbs8_full", "memory", plan(GPT13, mbs=8, par={**MLM_DEFAULT_DDP, **FULL}, impl=LOCAL_SDPA), quick),
-        ("m_gpt1.3b_seq4096_mbs2", "memory", plan(GPT13, seq=4096, gbs=16, mbs=2), quick),
-        ("m_gpt1.3b_seq8192_mbs1_sel", "memory", plan(GPT13, seq=8192, gbs=8, mbs=1, par=SEL), quick),
-        ("m_gqa1.5b_seq4096_mbs2", "memory", plan(GQA, seq=4096, gbs=16, mbs=2), quick),
-        ("m_gqa1.5b_seq4096_mbs4_sel", "memory", plan(GQA, seq=4096, gbs=16, mbs=4, par=SEL), quick),
-        ("m_gqa1.5b_seq4096_mbs2_full", "memory", plan(GQA, seq=4096, gbs=16, mbs=2, par=FULL), quick),
-        ("m_moe8x_top2_mbs4", "memory", plan(MOE, gbs=16, mbs=4), quick),
-        ("m_gpt1.3b_tp2_mbs4", "memory", plan(GPT13, gpus=2, mbs=4, par={"tensor_model_parallel_size": 2}), quick_prof),
-        ("m_gpt1.3b_tp2sp_mbs4", "memory", plan(GPT13, gpus=2, mbs=4, par={"tensor_model_parallel_size": 2, "sequence_parallel": True}), quick_prof),
-        ("m_gpt1.3b_pp2_mbs2", "memory", plan(GPT13, gpus=2, mbs=2, par={"pipeline_model_parallel_size": 2}), quick_prof),
-        ("m_gpt1.3b_dp2_distopt_mbs4", "memory", plan(GPT13, gpus=2, mbs=4, par={"use_distributed_optimizer": True}), quick_prof),
-        ("m_gpt1.3b_dp2_nodistopt_mbs4", "memory", plan(GPT13, gpus=2, mbs=4, par={"use_distributed_optimizer": False, "overlap_param_gather": False}), quick_prof),
-        ("m_moe8x_top2_ep2_mbs4", "memory", plan(MOE, gpus=2, gbs=16, mbs=4, par={"expert_model_parallel_size": 2}), quick_prof),
-        ("m_gqa1.5b_pp2vp2_mbs1", "memory", plan(GQA, gpus=2, seq=4096, gbs=16, mbs=1, par={"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}), quick_prof),
+        ("d13_te_s2k_mbs4", "megatron", plan(GPT13, mbs=4), traced),
+        ("d13_te_s2k_mbs8", "megatron", plan(GPT13, mbs=8), quick),
+        ("d13_te_s2k_mbs8_fp8delayed", "megatron", plan(GPT13, mbs=8, train={**FP8, "fp8_recipe": "delayed"}), quick),
+        ("d13_te_s2k_mbs8_fp8tensorwise", "megatron", plan(GPT13, mbs=8, train={**FP8, "fp8_recipe": "tensorwise"}), quick),
+        ("d13_local_s2k_mbs4", "megatron", plan(GPT13, mbs=4, impl=LOCAL), quick),
+        ("d13_te_s8k_mbs1_full", "megatron", plan(GPT13, seq=8192, par=FULL), quick),
+        ("d13_te_s16k_mbs1_sel", "megatron", plan(GPT13, seq=16384, par=SEL), quick),
+        ("l1b_te_s2k_mbs4", "megatron", plan(LLAMA1B, mbs=4), quick),
+        ("l1b_te_s4k_mbs2_sel", "megatron", plan(LLAMA1B, seq=4096, mbs=2, par=SEL), quick),
+        ("l1b_local_s2k_mbs2", "megatron", plan(LLAMA1B, mbs=2, impl=LOCAL), quick),
+        ("moe8x_te_grouped_s2k_mbs4", "megatron", plan(MOE, mbs=4, impl={"moe_grouped_gemm": True}), quick),
     ]
-    # (d) Megatron's --manual-gc: the PP2+VP2 row had a 0.36 s gen-2 collection inside a measured step
-    gc_runs = {"warmup_steps": 2, "measure_steps": 12, "profile_steps": None}
-    pp2vp2 = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
+    for model, gpus, seq in AT_SCALE:
+        out.append((f"s_{model}_{gpus}", "at_scale", at_scale_plan(model, gpus, seq), {"mode": "memory_at_scale"}))
+    # 'smoke': seconds-long checks of the entry on the machine before the evidence runs (not recorded)
+    tiny = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": 1024}
+    tiny_moe = {**tiny, "swiglu": True, "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 256}
     out += [
-        ("g_gqa1.5b_pp2vp2_mbs1_autogc", "gc", plan(GQA, gpus=2, seq=4096, gbs=16, mbs=1, par=pp2vp2), gc_runs),
-        ("g_gqa1.5b_pp2vp2_mbs1_manualgc", "gc", plan(GQA, gpus=2, seq=4096, gbs=16, mbs=1, par=pp2vp2,
-                                                      impl={"manual_gc": True}), gc_runs),
+        ("smoke_te", "smoke", plan(tiny, seq=512, tokens=4096, mbs=2, train=FP8), traced),
+        ("smoke_scale", "smoke", Plan(model=tiny_moe, cluster={"gpu": GPU, "num_gpus": 64},
+                                      training={"seq_length": 512, "global_batch_size": 64, "micro_batch_size": 1},
+                                      parallelism={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                                   "context_parallel_size": 2, "expert_model_parallel_size": 4,
+                                                   "expert_tensor_parallel_size": 1, "sequence_parallel": True},
+                                      implementation={"moe_grouped_gemm": True}), {"mode": "memory_at_scale", "rank": 16}),
     ]
-    # (c) recommender check: GPT 1.3B, seq 2048, GBS 32, one H200, TE, micro-batch x recompute
-    for mbs in (1, 2, 4, 8, 16):
-        for rname, rc in (("none", {}), ("sel", SEL), ("full", FULL)):
-            out.append((f"r_gpt1.3b_mbs{mbs}_{rname}", "recommend", plan(GPT13, mbs=mbs, par=rc), quick))
     return out
 
 
@@ -111,7 +117,7 @@ def main() -> None:
         lines.append(json.dumps({
             "name": name,
             "group": group,
-            "nproc": p.cluster.num_gpus,
+            "nproc": 1 if spec["mode"] == "memory_at_scale" else p.cluster.num_gpus,
             "needs_te": p.implementation.transformer_impl == "transformer_engine",
             "spec": spec,
         }))

@@ -4,7 +4,8 @@
 # Stages (each writes under $OUT):
 #   setup      install the carried wheels (.whl/*.whl, Transformer Engine's kept aside) into /tmp/site
 #   part       copy the carried Transformer Engine wheel part(s) (.te/p*/) to /tmp/te/
-#   te         reassemble the TE core wheel (md5 check), install it, build transformer_engine_torch
+#   te         install .whl2/*.whl (cuDNN frontend, carried with the last part), reassemble the TE core
+#              wheel (md5 check), install it, build transformer_engine_torch
 #              (TE-on-gpu.md step 3), check `import transformer_engine.pytorch`
 #   env        device list, versions and the bf16 8192^3 matmul rate -> $OUT/env.json
 #   args       Megatron-LM argument check of the rendered launch arguments -> $OUT/megatron_args_check.txt
@@ -41,6 +42,8 @@ for st in "${stages[@]}"; do
     sum=$(md5sum /tmp/te/$TE_WHEEL | cut -d' ' -f1); echo "md5 $sum"
     [ "$sum" = "$TE_MD5" ] || { echo "TE wheel md5 mismatch"; exit 3; }
     rm -f /tmp/te/part0*
+    # the build's cuDNN frontend headers travel with the last part (.whl2)
+    [ -d .whl2 ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl2/*.whl
     { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/te/$TE_WHEEL /tmp/tewhl/transformer_engine-*.whl
       echo "core install rc=$?"
       rm -rf /tmp/tebuild && mkdir -p /tmp/tebuild && tar xzf /tmp/tewhl/transformer_engine_torch-2.20.2.tar.gz -C /tmp/tebuild

@@ -1,4 +1,5 @@
-"""Run profile-job configurations on the GPU machine, each in a fresh process, through our entry point.
+"""Run profile-job configurations on the GPU machine, each in a fresh process, through our entry point
+(Megatron-LM's own training loop on the rendered argv).
 
     python3 benchmarks/gpu/runner.py --out DIR [--names a,b] [--groups target,memory] [--deadline-s 420]
 
@@ -14,7 +15,6 @@ DIR/traces.tar.
 from __future__ import annotations
 
 import argparse
-import gzip
 import io
 import json
 import os
@@ -28,8 +28,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-# NVLink multicast off (KINDS.md: a program that uses it can take the host's GPUs out of service).
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# NVLink multicast off (KINDS.md: a program that uses it can take the host's GPUs out of service);
+# UB_SKIPMC: TE's userbuffers (--tp-comm-overlap) would otherwise call cuMulticastCreate on Hopper.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "UB_SKIPMC": "1"}
 
 
 def load_specs(path: Path, names: list[str] | None, groups: list[str] | None) -> list[dict]:
@@ -223,10 +224,11 @@ def main() -> int:
         budget = 15 * 2**20
         with tarfile.open(out / "traces.tar", "w") as tf:
             for name in [d["work_dir"] for d in done if d["name"] in want]:
-                p = work_root / name / "out" / "trace_rank0.json"
+                # Megatron's torch profiler writes it gzipped (entry/profile.py TRACE_FILE)
+                p = work_root / name / "out" / "torch_profile" / "rank-0.json.gz"
                 if not p.exists():
                     continue
-                data = gzip.compress(p.read_bytes(), compresslevel=6)
+                data = p.read_bytes()
                 if len(data) > budget:
                     print(f"trace of {name} skipped: {len(data)} B compressed", flush=True)
                     continue

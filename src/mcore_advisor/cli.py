@@ -28,12 +28,29 @@ def _read_json(path: str) -> Any:
         raise CliError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
-def _load_plan(path: str):
+def _read_hf_config(path: str | None) -> str | None:
+    """The text of a --hf-config file; the core parses it (and names what it cannot map)."""
+    if not path:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--hf-config {path}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _load_plan(path: str, hf_config: str | None = None):
+    """A plan file; `hf_config` (a config.json path) replaces its model, as the MCP tools' hf_config does."""
     from mcore_advisor.schemas import Plan
 
     data = _read_json(path)
     if isinstance(data, dict) and "plan" in data and "model" not in data:
         data = data["plan"]  # accept a recommend/evaluate result or a request wrapper
+    if hf_config:
+        if not isinstance(data, dict):
+            raise CliError(f"{path}: not a plan object")
+        if data.get("model"):
+            print(f"mcore-advisor: --hf-config {hf_config} replaces the plan's model", file=sys.stderr)
+        data = {**data, "model": {"hf_config": _read_hf_config(hf_config)}}
     return Plan.model_validate(data)
 
 
@@ -44,107 +61,90 @@ def _emit(result: BaseModel, as_json: bool, summary: Callable[[Any], str]) -> No
         print(summary(result))
 
 
-def _fmt(v: Any, nd: int = 1) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:,.{nd}f}"
-    return str(v)
-
-
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    cells = [[str(c) for c in header]] + [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _findings_text(findings) -> str:
-    if not findings:
-        return "findings: none"
-    out = ["findings:"]
-    for f in findings:
-        out.append(f"  [{f.severity}] {', '.join(f.fields)}: {f.message}" + (f"\n      fix: {f.fix}" if f.fix else ""))
-    return "\n".join(out)
+def _write_png(path: str | None, make: Callable[[], bytes]) -> None:
+    """Write a chart when --png was given (the MCP server's render_chart draws the same bytes)."""
+    if path:
+        Path(path).write_bytes(make())
+        print(f"wrote {path}", file=sys.stderr)
 
 
 def cmd_recommend(a: argparse.Namespace) -> None:
     import time
 
-    from mcore_advisor.tools.recommend import recommend_parallelism, request_from_options
+    from mcore_advisor.server.params import recommend_request
+    from mcore_advisor.server.views import recommend_text
+    from mcore_advisor.tools.recommend import recommend_parallelism
 
-    req = request_from_options(
-        model=a.model, num_gpus=a.gpus, gpu=a.gpu, gpus_per_node=a.gpus_per_node, seq_length=a.seq_length,
-        global_batch_size=a.global_batch_size, precision=a.precision, top_k=a.top,
-    )
+    # the MCP tool's own arguments, so the CLI and the tool take the same inputs
+    args = {"model": a.model, "num_gpus": a.gpus, "gpu": a.gpu, "seq_length": a.seq_length,
+            "global_batch_size": a.global_batch_size, "precision": a.precision, "top_k": a.top, "tp": a.tp,
+            "pp": a.pp, "vp": a.vp, "cp": a.cp, "ep": a.ep, "micro_batch_size": a.micro_batch_size,
+            "sequence_parallel": a.sequence_parallel, "recompute": a.recompute, "max_tp": a.max_tp,
+            "allow_fp8": a.allow_fp8 or None, "what_if": False if a.no_what_if else None,
+            "request": _read_json(a.request) if a.request else None, "hf_config": _read_hf_config(a.hf_config)}
+    req = recommend_request(args)
+    if a.gpus_per_node is not None:
+        req = req.model_copy(update={"cluster": req.cluster.model_copy(update={"gpus_per_node": a.gpus_per_node})})
     rec = recommend_parallelism(req, clock=time.perf_counter)
+    _emit(rec, a.json, recommend_text)
 
-    def summary(r) -> str:
-        lines = [f"{a.model} on {a.gpus} x {a.gpu}, seq {a.seq_length}, global batch {r.global_batch_size}"]
-        rows = [[c.rank, c.layout, c.iteration_time_s, c.tokens_per_s_per_gpu, c.model_tflops_per_gpu_causal,
-                 c.mfu_bf16_causal_pct, c.memory_total_gib, c.headroom_gib] for c in r.plans]
-        if rows:
-            lines.append(_table(rows, ["#", "layout", "step s", "tok/s/GPU", "TFLOP/s causal", "MFU %", "mem GiB", "free GiB"]))
-        lines.extend(f"- {x}" for x in r.explanation)
-        n = r.nearest_published_run
-        if n is not None:
-            prec = f" {n.precision.split(' ')[0]}" if n.precision else ""
-            lines.append(f"nearest published run: {n.model} on {n.num_gpus} {n.gpu}{prec} ({n.source}), {n.layout}: "
-                         f"{_fmt(n.measured_tokens_per_s_per_gpu, 0)} tokens/s/GPU, "
-                         f"{_fmt(n.measured_tflops_per_gpu)} TFLOP/s ({n.flop_convention})")
-        for w in r.what_if:
-            lines.append(f"what if {w.scenario}: {w.note}")
-        if not r.feasible:
-            lines.append("no plan fits:")
-            lines.extend(f"- {x}" for x in r.suggestions)
-        st = r.stats
-        rate = f" ({st.candidates_per_s:,.0f}/s)" if st.candidates_per_s else ""
-        lines.append(f"searched {st.candidates_evaluated:,} configurations{rate}")
-        return "\n".join(lines)
 
-    _emit(rec, a.json, summary)
+def _evaluate(a: argparse.Namespace):
+    from mcore_advisor.tools.evaluate import evaluate_plan
+
+    return evaluate_plan(_load_plan(a.plan, getattr(a, "hf_config", None)))
 
 
 def cmd_evaluate(a: argparse.Namespace) -> None:
-    from mcore_advisor.tools.evaluate import evaluate_plan
+    from mcore_advisor.server.views import evaluate_text
 
-    ev = evaluate_plan(_load_plan(a.plan))
-
-    def summary(e) -> str:
-        lines = [f"feasible: {e.feasible}"]
-        lines.extend(f"- {x}" for x in e.explanation)
-        if e.performance is not None:
-            terms = e.performance.breakdown.model_dump()
-            step = e.performance.iteration_time_s
-            rows = [[k, v, 100 * v / step] for k, v in terms.items() if isinstance(v, float) and v > 0]
-            lines.append(_table(sorted(rows, key=lambda r: -r[1]), ["step-time term", "s", "%"]))
-        lines.append(_findings_text(e.findings))
-        return "\n".join(lines)
-
-    _emit(ev, a.json, summary)
+    ev = _evaluate(a)
+    _write_png(a.png, lambda: _chart_of(ev, "step_time"))
+    _emit(ev, a.json, evaluate_text)
 
 
 def cmd_memory(a: argparse.Namespace) -> None:
+    from mcore_advisor.server.views import memory_text
     from mcore_advisor.tools.estimate_memory import estimate_memory
 
-    rep = estimate_memory(_load_plan(a.plan))
+    rep = estimate_memory(_load_plan(a.plan, a.hf_config))
 
-    def summary(r) -> str:
-        b = r.breakdown
-        names = ("weights", "gradients", "optimizer", "activations", "transient", "buffers", "fragmentation", "non_pytorch")
-        rows = [[n.replace("_", "-"), getattr(b, f"{n}_gib")] for n in names]
-        lines = [f"most-loaded GPU: pipeline rank {r.most_loaded_pipeline_rank} ({r.most_loaded_role} stage), "
-                 f"{r.imbalance_gib:.1f} GiB above the least-loaded", _table(rows, ["term", "GiB"])]
-        lines.append(f"peak allocated {b.peak_allocated_gib:.2f} GiB, reserved {b.peak_reserved_gib:.2f} GiB, "
-                     f"total {b.total_gib:.2f} of {b.capacity_gib:.2f} GiB -> {'fits' if r.fits else 'DOES NOT FIT'} "
-                     f"(headroom {r.headroom_gib:.2f} GiB)")
-        for ch in r.suggestions:
-            lines.append(f"- {ch.summary}{' (then fits)' if ch.fits_after else ''}: {ch.note}")
-        lines.append(_findings_text(r.findings))
-        return "\n".join(lines)
+    def chart() -> bytes:
+        from mcore_advisor.charts import memory_png
 
-    _emit(rep, a.json, summary)
+        return memory_png(rep)
+
+    _write_png(a.png, chart)
+    _emit(rep, a.json, memory_text)
+
+
+def _chart_of(ev, kind: str) -> bytes:
+    from mcore_advisor import charts
+
+    if any(f.severity == "error" for f in ev.findings):
+        raise CliError("Megatron would refuse this plan (see `mcore-advisor evaluate`): no step time to draw")
+    return charts.step_time_png(ev) if kind == "step_time" else charts.pipeline_png(ev)
+
+
+def cmd_chart(a: argparse.Namespace) -> None:
+    from mcore_advisor import charts
+
+    if a.kind == "job":
+        from mcore_advisor.launcher import jobs
+
+        st = jobs.get_job(a.source)
+        pred = st.predicted.iteration_time_s if st.predicted is not None else None
+        png = charts.job_png([c.model_dump() for c in st.comparison], (st.result or {}).get("step_times_s") or [],
+                             pred, f"job {st.job_id}: {st.name}")
+    elif a.kind == "memory":
+        from mcore_advisor.tools.estimate_memory import estimate_memory
+
+        png = charts.memory_png(estimate_memory(_load_plan(a.source)))
+    else:
+        a.plan = a.source
+        png = _chart_of(_evaluate(a), a.kind)
+    Path(a.png).write_bytes(png)
+    print(f"wrote {a.png}")
 
 
 def cmd_mfu(a: argparse.Namespace) -> None:
@@ -155,7 +155,8 @@ def cmd_mfu(a: argparse.Namespace) -> None:
         data = sys.stdin.buffer.read() if a.log == "-" else Path(a.log).read_bytes()
         log_text = data.decode("utf-8", errors="replace")
     req = MfuRequest(
-        plan=_load_plan(a.plan) if a.plan else None, gpu=a.gpu, log_text=log_text,
+        plan=_load_plan(a.plan) if a.plan else None, gpu=a.gpu, model=a.model, num_gpus=a.gpus,
+        seq_length=a.seq_length, log_text=log_text,
         iteration_time_s=a.iteration_time_s, tokens_per_s_per_gpu=a.tokens_per_s_per_gpu,
         reported_tflops_per_gpu=a.tflops, claimed_mfu_pct=a.claimed_mfu,
     )
@@ -167,7 +168,12 @@ def cmd_render(a: argparse.Namespace) -> None:
     from mcore_advisor.launcher.spec import render_with_job_spec
     from mcore_advisor.tools.render import RenderRequest
 
-    opts: dict[str, Any] = {"plan": _load_plan(a.plan), "target": a.program, "launcher": a.target}
+    launcher, target = a.launcher, a.target
+    if target in ("torchrun", "slurm"):  # old command lines: --target named the launcher
+        print(f"mcore-advisor render: --target {target} is read as --launcher {target}; --target names the "
+              "program (megatron or profile)", file=sys.stderr)
+        launcher, target = target, "megatron"
+    opts: dict[str, Any] = {"plan": _load_plan(a.plan), "target": target, "launcher": launcher}
     for k in ("nodes", "gpus_per_node", "job_name", "megatron_lm_dir", "container_image", "slurm_account",
               "slurm_partition", "time_limit_min", "train_iters"):
         v = getattr(a, k)
@@ -192,7 +198,11 @@ def cmd_profile(a: argparse.Namespace) -> None:
 def cmd_job(a: argparse.Namespace) -> None:
     from mcore_advisor.launcher import jobs
 
-    _emit(jobs.get_job(a.job_id), a.json, lambda s: s.model_dump_json(indent=2))
+    st = jobs.get_job(a.job_id)
+    if a.png:
+        a.kind, a.source = "job", a.job_id
+        cmd_chart(a)
+    _emit(st, a.json, lambda s: s.model_dump_json(indent=2))
 
 
 def cmd_jobs(a: argparse.Namespace) -> None:
@@ -224,17 +234,22 @@ def cmd_catalog(a: argparse.Namespace) -> None:
     if a.json:
         print(json.dumps([i.model_dump(exclude_none=True) for i in items], indent=2))
     else:
-        print(_table(rows, header))
+        from mcore_advisor.server.views import table
+
+        print(table(rows, header))
 
 
 def cmd_serve(a: argparse.Namespace) -> None:
     from mcore_advisor.launcher import jobs
+    from mcore_advisor.server import transport
     from mcore_advisor.server.app import build_server
 
-    loopback = a.host in ("127.0.0.1", "localhost", "::1")
     token = os.environ.get(a.token_env) or None
-    if a.http and not loopback and not token:
-        raise CliError(f"--host {a.host} is not loopback: set a bearer token in ${a.token_env} (clients send 'Authorization: Bearer <token>')")
+    if a.http:
+        try:
+            transport.check_bind(a.host, token, a.token_env)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     try:
         jobs.reattach_all()  # jobs started before a restart keep their state
     except Exception as exc:  # a broken state dir must not stop the planner tools
@@ -245,17 +260,14 @@ def cmd_serve(a: argparse.Namespace) -> None:
     url = f"http://{a.host}:{a.port}/mcp"
     server = build_server(http_url=url if token else None, token=token)
     print(f"mcore-advisor MCP server on {url}" + (" (bearer token required)" if token else ""), file=sys.stderr)
-    kwargs: dict[str, Any] = {"host": a.host, "port": a.port}
-    if not loopback:
-        from mcp.server.transport_security import TransportSecuritySettings
-
-        # Behind a bearer token, DNS-rebinding protection (Host header allow-list) would refuse every
-        # client that uses the machine's real name.
-        kwargs["transport_security"] = TransportSecuritySettings(enable_dns_rebinding_protection=False)
-    server.run("streamable-http", **kwargs)
+    server.run("streamable-http", host=a.host, port=a.port, max_request_body_size=int((a.max_body_mb or transport.MAX_BODY_MB) * 2**20),
+               transport_security=transport.security(a.host, a.allow_host))
 
 
 # ---- parser ----------------------------------------------------------------------------------
+
+HF_CONFIG_HELP = "the model's Hugging Face config.json, instead of a catalog model"
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcore-advisor", description="Plan, check, launch and profile Megatron-Core training runs.")
@@ -268,25 +280,46 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true", help="machine-readable JSON output")
         return sp
 
-    sp = add("recommend", cmd_recommend, "rank parallel layouts for a model on a cluster")
-    sp.add_argument("--model", required=True, help="catalog key, e.g. llama3-70b (see `mcore-advisor models`)")
-    sp.add_argument("--gpus", type=int, required=True, help="total GPUs")
-    sp.add_argument("--gpu", default="h100-sxm", help="GPU catalog key (see `mcore-advisor gpus`)")
+    sp = add("recommend", cmd_recommend, "rank parallel layouts for a model on a cluster (the MCP tool's inputs)")
+    sp.add_argument("--model", help="catalog key, e.g. llama3-70b (see `mcore-advisor models`)")
+    sp.add_argument("--hf-config", metavar="FILE", help=HF_CONFIG_HELP)
+    sp.add_argument("--gpus", type=int, help="total GPUs (world size)")
+    sp.add_argument("--gpu", default=None, help="GPU catalog key (default h100-sxm; see `mcore-advisor gpus`)")
     sp.add_argument("--gpus-per-node", type=int, default=None)
-    sp.add_argument("--seq-length", type=int, default=4096)
-    sp.add_argument("--global-batch-size", type=int, default=None, help="samples per step (default: the search's choice)")
-    sp.add_argument("--precision", choices=["bf16", "fp8"], default="bf16")
-    sp.add_argument("--top", type=int, default=5)
+    sp.add_argument("--seq-length", type=int, default=None, help="tokens per sample (default 4096)")
+    sp.add_argument("--global-batch-size", type=int, default=None, help="samples per step (default: about 4M tokens)")
+    sp.add_argument("--precision", choices=["bf16", "fp8"], default=None)
+    sp.add_argument("--top", type=int, default=None, help="how many plans (default 5)")
+    for flag, what in (("tp", "tensor"), ("pp", "pipeline"), ("vp", "virtual pipeline"), ("cp", "context"), ("ep", "expert")):
+        sp.add_argument(f"--{flag}", type=int, help=f"pin the {what} parallel size (default: searched)")
+    sp.add_argument("--micro-batch-size", type=int, help="pin the micro-batch size (default: searched)")
+    sp.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None, help="pin sequence parallelism")
+    sp.add_argument("--recompute", choices=["none", "selective", "full"], help="pin activation recompute (default: searched)")
+    sp.add_argument("--max-tp", type=int, help="upper bound on TP")
+    sp.add_argument("--allow-fp8", action="store_true", help="also consider FP8 and pick it when faster")
+    sp.add_argument("--no-what-if", action="store_true", help="skip the 2x GPUs / 2x sequence what-ifs")
+    sp.add_argument("--request", help="JSON file with a full RecommendRequest (fixed, implementation, headroom ...); options override it")
 
     sp = add("evaluate", cmd_evaluate, "validate a plan and predict its memory and performance")
     sp.add_argument("plan", help="plan JSON file ('-' = stdin)")
+    sp.add_argument("--hf-config", metavar="FILE", help=HF_CONFIG_HELP + "; replaces the plan's model")
+    sp.add_argument("--png", metavar="FILE", help="also write the step-time breakdown chart (PNG)")
     sp = add("memory", cmd_memory, "per-GPU memory breakdown of a plan and what to change to fit")
     sp.add_argument("plan", help="plan JSON file ('-' = stdin)")
+    sp.add_argument("--hf-config", metavar="FILE", help=HF_CONFIG_HELP + "; replaces the plan's model")
+    sp.add_argument("--png", metavar="FILE", help="also write the memory-by-term-and-stage chart (PNG)")
+    sp = add("chart", cmd_chart, "draw a chart: memory, step_time or pipeline of a plan, job of a profile job")
+    sp.add_argument("kind", choices=["memory", "step_time", "pipeline", "job"])
+    sp.add_argument("source", help="plan JSON file ('-' = stdin), or the job id for 'job'")
+    sp.add_argument("--png", metavar="FILE", required=True, help="where to write the PNG")
 
     sp = add("mfu", cmd_mfu, "MFU/HFU from numbers or a log, with a diagnosis")
     sp.add_argument("--log", help="training log or OOM text file ('-' = stdin)")
     sp.add_argument("--plan", help="plan JSON file (optional when the log holds Megatron's arguments dump)")
     sp.add_argument("--gpu", help="GPU key when the plan comes from the log")
+    sp.add_argument("--model", help="catalog model, for a log without Megatron's arguments dump (Megatron-Bridge, NeMo, a crash log)")
+    sp.add_argument("--gpus", type=int, help="the job's GPU count (num_gpus), when the log does not print it")
+    sp.add_argument("--seq-length", type=int, help="tokens per sample (seq_length), when the log does not print it")
     sp.add_argument("--iteration-time-s", type=float)
     sp.add_argument("--tokens-per-s-per-gpu", type=float)
     sp.add_argument("--tflops", type=float, help="reported TFLOP/s/GPU")
@@ -294,8 +327,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("render", cmd_render, "render a torchrun or Slurm launch script for a plan")
     sp.add_argument("plan", help="plan JSON file ('-' = stdin)")
-    sp.add_argument("--target", choices=["torchrun", "slurm"], default="torchrun", help="how to launch")
-    sp.add_argument("--program", choices=["megatron", "profile"], default="megatron", help="Megatron-LM pretrain_gpt.py or the profile job")
+    sp.add_argument("--launcher", choices=["torchrun", "slurm"], default="torchrun",
+                    help="how the ranks start: torchrun on one node, or an sbatch script that runs torchrun on every node via srun")
+    sp.add_argument("--target", choices=["megatron", "profile", "torchrun", "slurm"], default="megatron",
+                    help="what every rank runs: megatron = Megatron-LM pretrain_gpt.py, profile = the profile job "
+                         "(torchrun/slurm here are read as --launcher, for old command lines)")
     sp.add_argument("--nodes", type=int)
     sp.add_argument("--gpus-per-node", type=int)
     sp.add_argument("--job-name")
@@ -315,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--steps", type=int, default=10)
     sp = add("job", cmd_job, "state, log tail and measured-vs-predicted of a profile job")
     sp.add_argument("job_id")
+    sp.add_argument("--png", metavar="FILE", help="also write the measured-vs-predicted chart (PNG)")
     sp = add("jobs", cmd_jobs, "list profile jobs")
     sp.add_argument("--state")
     sp.add_argument("--limit", type=int, default=20)
@@ -330,11 +367,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--host", default="127.0.0.1")
     sp.add_argument("--port", type=int, default=8000)
     sp.add_argument("--token-env", default="MCORE_ADVISOR_TOKEN", help="environment variable holding the bearer token")
+    sp.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                    help="another host name or address clients use to reach the server (Host/Origin allow-list; repeatable)")
+    sp.add_argument("--max-body-mb", type=float, default=None,
+                    help="largest request body in MiB; larger requests get HTTP 413 (default: room for a pasted 20 MB log)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "recommend" and (args.model is None and args.hf_config is None or args.gpus is None) and not args.request:
+        print("mcore-advisor recommend: --model (or --hf-config) and --gpus are required (or a --request file)", file=sys.stderr)
+        return 2
     try:
         args.fn(args)
     except CliError as exc:

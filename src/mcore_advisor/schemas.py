@@ -7,25 +7,35 @@ derived values (data-parallel size, resolved model shape) are computed, never wr
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _INPUT = ConfigDict(extra="forbid", frozen=True)
 
+MAX_MICRO_BATCH_SIZE = 4096
+"""Largest micro-batch a plan may ask for (the search never proposes more)."""
+MAX_GLOBAL_BATCH_SIZE = 2**24
+"""Largest global batch (samples): 16.8M, far beyond any published run (Llama-3 405B: 16M tokens =
+2,048 samples of 8,192); bounds the micro-batch enumeration and Megatron's per-micro-batch loop."""
+MAX_NUM_LAYERS = 1024
+
 
 class ModelSpec(BaseModel):
-    """A transformer's shape: a catalog `name`, explicit fields, or a name plus overrides.
+    """A transformer's shape: a catalog `name`, a Hugging Face `hf_config`, explicit fields, or
+    either of the first two plus overrides.
 
-    Explicit fields override the catalog entry. Unset fields take Megatron's defaults when the
-    model is resolved (kv_channels = hidden/heads, num_query_groups = heads, ffn = 4h).
+    Explicit fields override the catalog entry or the imported config. Unset fields take Megatron's
+    defaults when the model is resolved (kv_channels = hidden/heads, num_query_groups = heads, ffn = 4h).
     """
 
     model_config = _INPUT
 
     name: str | None = Field(None, description="Catalog key, e.g. 'llama3-70b' (see the models resource). Optional when every required shape field is given.")
-    num_layers: int | None = Field(None, ge=1, le=1024, description="Transformer layers (decoder blocks).")
+    hf_config: str | dict[str, Any] | None = Field(None, description="The model's Hugging Face config.json (its text or JSON object) instead of a catalog name: Llama, Mistral, Qwen2/3 (dense and MoE), Mixtral, DeepSeek-V2/V3, GPT-OSS, Nemotron-H. Explicit fields still override it.")
+    num_layers: int | None = Field(None, ge=1, le=MAX_NUM_LAYERS, description="Transformer layers (decoder blocks).")
     hidden_size: int | None = Field(None, ge=1, le=131072, description="Model width h.")
     num_attention_heads: int | None = Field(None, ge=1, le=1024, description="Attention heads n.")
     num_query_groups: int | None = Field(None, ge=1, le=1024, description="K/V heads g for GQA; None = MHA (g = n). Megatron: --num-query-groups with --group-query-attention.")
@@ -41,16 +51,42 @@ class ModelSpec(BaseModel):
     position_embedding_type: Literal["rope", "learned_absolute", "none"] | None = Field(None, description="Position embedding.")
     num_experts: int | None = Field(None, ge=1, le=4096, description="Routed experts E per MoE layer; None = dense model. Megatron: --num-experts.")
     moe_router_topk: int | None = Field(None, ge=1, le=64, description="Experts k each token is routed to.")
-    moe_ffn_hidden_size: int | None = Field(None, ge=1, description="Inner size of one routed expert; None = ffn_hidden_size.")
-    moe_shared_expert_intermediate_size: int | None = Field(None, ge=1, description="Total inner size of the shared expert(s); None = no shared expert.")
-    moe_layer_freq: int | list[int] | None = Field(None, description="1 = every layer is MoE; N = every Nth; or a 0/1 list of length num_layers. Megatron: --moe-layer-freq.")
+    moe_ffn_hidden_size: int | None = Field(None, ge=1, le=1048576, description="Inner size of one routed expert; None = ffn_hidden_size.")
+    moe_shared_expert_intermediate_size: int | None = Field(None, ge=1, le=1048576, description="Total inner size of the shared expert(s); None = no shared expert.")
+    # Megatron takes i % N == 0 for the MoE layers (gpt_layer_specs.py): N = 0 divides by zero there too.
+    moe_layer_freq: Annotated[int, Field(ge=1, le=MAX_NUM_LAYERS)] | Annotated[list[Literal[0, 1]], Field(max_length=MAX_NUM_LAYERS)] | None = Field(None, description="1 = every layer is MoE; N = every Nth; or a 0/1 list of length num_layers. Megatron: --moe-layer-freq.")
     multi_latent_attention: bool | None = Field(None, description="DeepSeek MLA instead of MHA/GQA.")
-    q_lora_rank: int | None = Field(None, ge=1, description="MLA query low-rank; None = no query compression.")
-    kv_lora_rank: int | None = Field(None, ge=1, description="MLA key/value low-rank r_kv.")
-    qk_head_dim: int | None = Field(None, ge=1, description="MLA per-head Q/K dim without RoPE part.")
-    qk_pos_emb_head_dim: int | None = Field(None, ge=0, description="MLA per-head RoPE dim.")
-    v_head_dim: int | None = Field(None, ge=1, description="MLA per-head V dim.")
+    q_lora_rank: int | None = Field(None, ge=1, le=131072, description="MLA query low-rank; None = no query compression.")
+    kv_lora_rank: int | None = Field(None, ge=1, le=131072, description="MLA key/value low-rank r_kv.")
+    qk_head_dim: int | None = Field(None, ge=1, le=4096, description="MLA per-head Q/K dim without RoPE part.")
+    qk_pos_emb_head_dim: int | None = Field(None, ge=0, le=4096, description="MLA per-head RoPE dim.")
+    v_head_dim: int | None = Field(None, ge=1, le=4096, description="MLA per-head V dim.")
     mtp_num_layers: int | None = Field(None, ge=0, le=16, description="Multi-token-prediction layers; None/0 = off.")
+    hybrid_layer_pattern: str | None = Field(None, min_length=1, max_length=1024, description="Hybrid Mamba model (Megatron --hybrid-layer-pattern, formerly --hybrid-override-pattern; pretrain_hybrid.py): one symbol per decoder layer, 'M' Mamba-2 mixer, '*' self-attention, '-' dense MLP, 'E' MoE MLP; its length is num_layers. None = GPT model (every layer attention + MLP/MoE).")
+    mamba_num_heads: int | None = Field(None, ge=1, le=16384, description="Mamba-2 heads (--mamba-num-heads); None = 2 * hidden_size / mamba_head_dim (MambaMixer's expand = 2).")
+    mamba_head_dim: int | None = Field(None, ge=1, le=1024, description="Mamba-2 head dim P (--mamba-head-dim); None = 64.")
+    mamba_state_dim: int | None = Field(None, ge=1, le=1024, description="Mamba-2 SSM state size N (--mamba-state-dim); None = 128.")
+    mamba_num_groups: int | None = Field(None, ge=1, le=1024, description="Mamba-2 B/C groups G (--mamba-num-groups); None = 8.")
+    squared_relu: bool | None = Field(None, description="Squared-ReLU MLP (--squared-relu; Nemotron, Nemotron-H): 2 matrices like GeLU.")
+    qk_layernorm: bool | None = Field(None, description="Norm on each head's query and key (--qk-layernorm; Qwen3): 2 x kv_channels weights per attention layer. MLA's q/kv latent norms are always counted.")
+    moe_router_score_function: Literal["softmax", "sigmoid"] | None = Field(None, description="Router score function (--moe-router-score-function); sigmoid for DeepSeek-V3-style routers.")
+    moe_router_topk_scaling_factor: float | None = Field(None, gt=0, description="Scale of the routed experts' weights (--moe-router-topk-scaling-factor; HF routed_scaling_factor).")
+    moe_router_num_groups: int | None = Field(None, ge=1, le=4096, description="Device/node groups for group-limited routing (--moe-router-num-groups; HF n_group).")
+    moe_router_group_topk: int | None = Field(None, ge=1, le=4096, description="Groups each token may use (--moe-router-group-topk; HF topk_group).")
+    rotary_base: int | None = Field(None, ge=1, description="RoPE base (--rotary-base; HF rope_theta). Does not change FLOPs or memory.")
+    rotary_percent: float | None = Field(None, gt=0, le=1, description="Fraction of each head rotated (--rotary-percent; HF partial_rotary_factor).")
+    rope_scaling_factor: float | None = Field(None, gt=0, description="RoPE context-extension factor (HF rope_scaling.factor): Llama-3 style --use-rope-scaling --rope-scaling-factor; YaRN under MLA --rotary-scaling-factor. Does not change FLOPs or memory.")
+    norm_epsilon: float | None = Field(None, gt=0, lt=1, description="Norm epsilon (--norm-epsilon; HF rms_norm_eps / layer_norm_epsilon).")
+    rope_scaling_type: Literal["llama3", "yarn"] | None = Field(None, description="How rope_scaling_factor extends the context (HF rope_scaling.rope_type): 'llama3' (Llama 3.1 frequency scaling, --use-rope-scaling) or 'yarn' (--rotary-scaling-factor under MLA); None = yarn under MLA, llama3 otherwise. Does not change FLOPs or memory.")
+    moe_router_enable_expert_bias: bool | None = Field(None, description="Aux-loss-free load balancing with a per-expert routing bias (--moe-router-enable-expert-bias; DeepSeek-V3 style). A buffer, not a parameter.")
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"] | None = Field(None, description="Load-balancing loss (--moe-router-load-balancing-type); None = Megatron's default 'aux_loss'.")
+    moe_aux_loss_coeff: float | None = Field(None, ge=0, description="Weight of the load-balancing loss (--moe-aux-loss-coeff; HF router_aux_loss_coef); None = Megatron's default 0.0 (no balancing loss).")
+
+    @field_validator("hf_config", mode="before")
+    @classmethod
+    def _hf_config_as_text(cls, v: Any) -> Any:
+        # Kept as canonical JSON text, so a spec stays hashable and its cache key stable.
+        return json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
 
 
 class ClusterSpec(BaseModel):
@@ -73,12 +109,14 @@ class TrainingSpec(BaseModel):
     model_config = _INPUT
 
     seq_length: int = Field(4096, ge=1, le=4_194_304, description="Tokens per sample s.")
-    global_batch_size: int = Field(128, ge=1, description="Samples per optimizer step B.")
-    micro_batch_size: int = Field(1, ge=1, le=4096, description="Samples per forward pass per model replica b.")
+    global_batch_size: int = Field(128, ge=1, le=MAX_GLOBAL_BATCH_SIZE, description="Samples per optimizer step B.")
+    micro_batch_size: int = Field(1, ge=1, le=MAX_MICRO_BATCH_SIZE, description="Samples per forward pass per model replica b.")
     precision: Literal["bf16", "fp8"] = Field("bf16", description="bf16 mixed precision, or FP8 GEMMs via Transformer Engine (Hopper or newer).")
     fp8_format: Literal["hybrid", "e4m3"] = Field("hybrid", description="TE FP8 format when precision=fp8 (--fp8-format).")
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = Field("delayed", description="FP8 scaling recipe (--fp8-recipe); mxfp8 needs Blackwell.")
     fp8_param_gather: bool = Field(False, description="Keep FP8 copies of weights and all-gather them in FP8 (--fp8-param-gather).")
+    attention_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the attention probabilities (--attention-dropout; always rendered, since Megatron-LM's own default is 0.1). 0 = what large-model pretraining recipes commonly use (e.g. the Hugging Face configs of Llama 3 and Mixtral: attention_dropout 0.0). > 0: Megatron's own DotProductAttention (local spec) keeps a 1-byte mask and the dropped bf16 probabilities per attention score and runs a dropout kernel over them; the fused/flash kernels regenerate the mask from the RNG state (no memory) at a small kernel slowdown.")
+    hidden_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after the attention and MLP blocks (--hidden-dropout; always rendered, Megatron-LM's default is 0.1). > 0: each bias-dropout-add keeps a 1-byte mask per element of the s x b x h output (two per layer) and writes/reads it.")
 
 
 class ParallelismSpec(BaseModel):
@@ -89,8 +127,8 @@ class ParallelismSpec(BaseModel):
     tensor_model_parallel_size: int = Field(1, ge=1, le=1024, description="TP degree.")
     pipeline_model_parallel_size: int = Field(1, ge=1, le=1024, description="PP degree (stages).")
     virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1, le=128, description="Model chunks per PP stage for the interleaved schedule; None = not interleaved. Ignored (warning) when PP = 1.")
-    decoder_first_pipeline_num_layers: int | None = Field(None, ge=0, description="Layers on the first PP stage when the split is uneven (e.g. 126 layers on PP16); None = even split. The remaining layers split evenly over the other stages.")
-    decoder_last_pipeline_num_layers: int | None = Field(None, ge=0, description="Layers on the last PP stage when the split is uneven; None = even split.")
+    decoder_first_pipeline_num_layers: int | None = Field(None, ge=0, le=MAX_NUM_LAYERS, description="Layers on the first PP stage when the split is uneven (e.g. 126 layers on PP16); None = even split. The remaining layers split evenly over the other stages.")
+    decoder_last_pipeline_num_layers: int | None = Field(None, ge=0, le=MAX_NUM_LAYERS, description="Layers on the last PP stage when the split is uneven; None = even split.")
     context_parallel_size: int = Field(1, ge=1, le=1024, description="CP degree: the sequence split across GPUs (ring attention).")
     expert_model_parallel_size: int = Field(1, ge=1, le=4096, description="EP degree: experts split across GPUs.")
     expert_tensor_parallel_size: int | None = Field(None, ge=1, le=1024, description="TP degree inside experts; None = tensor_model_parallel_size (Megatron's default).")
@@ -98,7 +136,7 @@ class ParallelismSpec(BaseModel):
     use_distributed_optimizer: bool = Field(True, description="Shard fp32 master weights and Adam state over data-parallel ranks (ZeRO-1).")
     recompute_granularity: Literal["selective", "full"] | None = Field(None, description="Activation recomputation: None, 'selective' (core attention and the modules in recompute_modules), or 'full' (whole layers).")
     recompute_method: Literal["uniform", "block"] | None = Field(None, description="With full recompute: 'uniform' (groups of recompute_num_layers) or 'block' (the first recompute_num_layers layers of each stage).")
-    recompute_num_layers: int | None = Field(None, ge=1, description="With full recompute: layers per group (uniform) or layers recomputed per stage (block).")
+    recompute_num_layers: int | None = Field(None, ge=1, le=MAX_NUM_LAYERS, description="With full recompute: layers per group (uniform) or layers recomputed per stage (block).")
     recompute_modules: list[Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"]] | None = Field(None, description="With selective recompute: modules recomputed; None = Megatron's default ['core_attn'].")
     overlap_grad_reduce: bool = Field(True, description="Overlap DP gradient reduce-scatter with backward.")
     overlap_param_gather: bool = Field(True, description="Overlap distributed-optimizer parameter all-gather with forward.")
@@ -115,9 +153,15 @@ class ImplementationSpec(BaseModel):
     grad_reduce_in_fp32: bool = Field(True, description="Gradient buffers and reduction in fp32 (4 B/param) instead of bf16 (2 B/param).")
     moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = Field("alltoall", description="MoE token dispatcher.")
     moe_grouped_gemm: bool = Field(True, description="Grouped GEMM for the local experts.")
-    cross_entropy_loss_fusion: bool = Field(True, description="Fused vocab-parallel cross entropy (--cross-entropy-loss-fusion): fewer kernels; with the 'native' implementation it holds 10 B/logit at the loss (bf16 logits + fp32 copy + torch.compile's out-of-place buffer) vs 6 B unfused.")
+    cross_entropy_loss_fusion: bool = Field(False, description="Fused vocab-parallel cross entropy (--cross-entropy-loss-fusion; off by default in Megatron-LM): fewer kernels; with the 'native' implementation it holds 10 B/logit at the loss (bf16 logits + fp32 copy + torch.compile's out-of-place buffer) vs 6 B unfused.")
     cross_entropy_fusion_impl: Literal["native", "te"] = Field("native", description="--cross-entropy-fusion-impl (with cross_entropy_loss_fusion): 'native' (Megatron's torch.compile'd kernel, 10 B/logit) or 'te' (Transformer Engine's, gradient written into the bf16 logits: 2 B/logit; needs TE).")
     gradient_accumulation_fusion: bool = Field(True, description="Accumulate weight gradients into the fp32 main_grad inside the wgrad GEMM (Megatron's default; false = --no-gradient-accumulation-fusion). Megatron's own linear layers need Apex's fused_weight_gradient_mlp_cuda for it; Transformer Engine layers do it natively.")
+    attention_softmax_in_fp32: bool = Field(False, description="--attention-softmax-in-fp32 (off by default in Megatron-LM; TransformerConfig's own default is on): Megatron's DotProductAttention (the local spec's core attention) runs the masked softmax in fp32 when the fused kernel does not: it then saves the fp32 probabilities and their bf16 copy (6 B per attention score instead of 2) and moves about twice the bytes.")
+    masked_softmax_fusion: bool = Field(True, description="Megatron's fused scale-mask-softmax kernel in DotProductAttention (the local spec; --no-masked-softmax-fusion clears it). The kernel (scaled_upper_triang_masked_softmax_cuda, built by Apex as in NVIDIA's containers; without it Megatron fails at the first step, so pass false) runs for sequences of 17 to 4,096 tokens and keeps 2 B per score; longer sequences fall back to PyTorch's softmax.")
+    bias_activation_fusion: bool = Field(True, description="Fused bias + activation (Megatron's --no-bias-gelu-fusion / --no-bias-swiglu-fusion clear it): false runs the activation as separate PyTorch kernels and a SwiGLU also keeps its SiLU output (f bf16 values per token) for backward.")
+    bias_dropout_fusion: bool = Field(True, description="Fused bias-dropout-add after attention and MLP (--no-bias-dropout-fusion clears it): false runs bias add, dropout and residual add as separate kernels.")
+    apply_rope_fusion: bool = Field(True, description="Transformer Engine's fused RoPE kernel (--no-rope-fusion clears it; the local spec cannot use it): false applies RoPE with about five PyTorch kernels per tensor.")
+    check_for_nan_in_loss_and_grad: bool = Field(True, description="Megatron-LM's default NaN/Inf checks (--no-check-for-nan-in-loss-and-grad clears it): each micro-batch's loss and, once per step, each gradient bucket's norm are read back to the host (two syncs each), so the GPU idles while the host catches up after every check.")
     manual_gc: bool = Field(False, description="--manual-gc: Python's threshold-based garbage collector off; collections only every manual_gc_interval steps, at the same step on every rank. Removes GC pauses from random iterations (one gen-2 collection cost 0.36 s inside a 0.75 s step of an H200 run) and the stragglers they make at scale.")
     manual_gc_interval: int = Field(0, ge=0, le=1_000_000, description="--manual-gc-interval (with manual_gc): steps between collections; 0 = none during training (Megatron's default). Host memory then grows with Python garbage; a few hundred steps is a common choice.")
     expandable_segments: bool = Field(False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: far less allocator fragmentation.")
@@ -134,6 +178,20 @@ class Plan(BaseModel):
     training: TrainingSpec = Field(default_factory=TrainingSpec, description="Sequence, batch and precision.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel layout.")
     implementation: ImplementationSpec = Field(default_factory=ImplementationSpec, description="Kernels and buffers.")
+
+
+# ModelSpec fields that resolve_model copies to ModelShape unchanged (catalog value, else the plan's,
+# else None = Megatron's default): they change what the model computes, not what it costs.
+MODEL_SETTINGS = (
+    "rotary_base", "rotary_percent", "rope_scaling_factor", "rope_scaling_type", "norm_epsilon", "squared_relu",
+    "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+)
+
+# Megatron's hybrid layer symbols (core/models/hybrid/hybrid_layer_allocation.py Symbols) this model handles.
+HYBRID_LAYER_SYMBOLS = {"M": "Mamba-2", "*": "self-attention", "-": "dense MLP", "E": "MoE"}
+# MambaMixer's causal-convolution width: its d_conv argument, which Megatron-LM leaves at 4.
+MAMBA_CONV_KERNEL = 4
 
 
 class ModelShape(BaseModel):
@@ -167,6 +225,26 @@ class ModelShape(BaseModel):
     qk_pos_emb_head_dim: int
     v_head_dim: int
     mtp_num_layers: int
+    hybrid_layer_pattern: str | None = Field(None, description="Megatron hybrid layer symbols (M, *, -, E), one per layer; None = GPT model.")
+    mamba_num_heads: int = Field(0, description="Mamba-2 heads (0 without Mamba layers).")
+    mamba_head_dim: int = 0
+    mamba_state_dim: int = 0
+    mamba_num_groups: int = 0
+    qk_layernorm: bool = False
+    # Settings that change what the model computes but not its cost: None = Megatron's default.
+    rotary_base: int | None = None
+    rotary_percent: float | None = None
+    rope_scaling_factor: float | None = None
+    rope_scaling_type: Literal["llama3", "yarn"] | None = None
+    norm_epsilon: float | None = None
+    squared_relu: bool | None = None
+    moe_router_score_function: Literal["softmax", "sigmoid"] | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_enable_expert_bias: bool | None = None
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"] | None = None
+    moe_aux_loss_coeff: float | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -177,8 +255,30 @@ class ModelShape(BaseModel):
         return sum(self.moe_layer_pattern)
 
     @property
+    def is_hybrid(self) -> bool:
+        return self.hybrid_layer_pattern is not None
+
+    def _count(self, symbol: str) -> int:
+        return self.hybrid_layer_pattern.count(symbol) if self.hybrid_layer_pattern else 0
+
+    @property
     def num_dense_layers(self) -> int:
-        return self.num_layers - self.num_moe_layers
+        """Layers with a dense MLP: GPT layers that are not MoE, or a hybrid pattern's '-' layers."""
+        return self._count("-") if self.is_hybrid else self.num_layers - self.num_moe_layers
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Decoder layers with self-attention (MTP layers not included)."""
+        return self._count("*") if self.is_hybrid else self.num_layers
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return self._count("M")
+
+    @property
+    def mamba_d_inner(self) -> int:
+        """Mamba-2 inner width: heads x head dim (MambaMixer d_inner)."""
+        return self.mamba_num_heads * self.mamba_head_dim
 
     def padded_vocab_size(self, tp: int) -> int:
         """Megatron's _vocab_size_with_padding: round V up to a multiple of divisor * TP."""

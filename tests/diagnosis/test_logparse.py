@@ -262,3 +262,36 @@ def test_the_profile_jobs_own_train_log_lines_parse_like_megatrons():
     it = r.iterations[0]
     assert (it.iteration, it.elapsed_time_per_iteration_ms, it.throughput_tflops_per_gpu, it.losses) == (20, 1169.0, 462.8, {"lm loss": 6.5})
     assert r.memory_reports[0].rank == 3 and r.memory_reports[0].max_reserved_gib == 4.0
+
+
+@pytest.mark.parametrize("prefix", [
+    "\x1b[32m[2026-11-26 03:10:01 INFO]\x1b[0m ",          # colorlog / rich / cluster wrappers
+    "[2026-11-26 03:10:01,123][megatron.training][INFO] - ",  # hydra-style logging
+    "2026-11-26 03:10:01,123 - INFO - ",                     # Python logging's common format
+    "[NeMo I 2026-11-26 03:10:01 nemo_logging:393] ",         # NeMo's logger
+    "0: [rank0]: [2026-11-26 03:10:01 INFO] ",                # Slurm label + torchrun rank + logging, stacked
+])
+def test_logging_prefixes_do_not_hide_the_arguments_dump(prefix):
+    dump = ["------------------------ arguments ------------------------",
+            "  num_layers ...................................... 24",
+            "  attention_dropout ............................... 0.1",
+            "-------------------- end of arguments ---------------------"]
+    r = parse_log("\n".join(prefix + ln for ln in dump) + "\n")
+    assert r.megatron_args == {"num_layers": "24", "attention_dropout": "0.1"}
+
+
+def test_megatrons_own_iteration_timestamp_is_kept_behind_a_logging_prefix():
+    line = _log("megatron_0_19_gpt1p3b_te_mbs4_h200.log").splitlines()[-1]
+    text, _ = clean_line("[2026-11-26 03:10:01 INFO] " + line)
+    assert parse_megatron_iteration_line(text).timestamp == parse_megatron_iteration_line(line).timestamp is not None
+
+
+def test_a_dump_at_megatrons_defaults_is_described_as_it_ran():
+    """Megatron's default dropout is 0.1 and its RoPE base 10000: a dump that says so gives a plan that says so."""
+    args = parse_log(_log("megatron_0_19_gpt1p3b_te_mbs4_h200.log")).megatron_args
+    args = {**args, "attention_dropout": "0.1", "hidden_dropout": "0.1", "rotary_base": "500000", "layernorm_epsilon": "1e-06",
+            "qk_layernorm": "True", "use_rope_scaling": "True", "rope_scaling_factor": "8.0"}
+    plan, _ = plan_from_megatron_args(args, gpu="h200", vocab_size=32768)
+    assert (plan.training.attention_dropout, plan.training.hidden_dropout) == (0.1, 0.1)
+    m = plan.model
+    assert (m.rotary_base, m.norm_epsilon, m.qk_layernorm, m.rope_scaling_factor, m.rope_scaling_type) == (500000, 1e-06, True, 8.0, "llama3")

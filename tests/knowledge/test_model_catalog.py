@@ -22,7 +22,8 @@ REQUIRED = [
     "llama3.1-70b", "llama3.1-405b", "mixtral-8x7b", "mixtral-8x22b", "deepseek-v3", "qwen3-8b",
     "qwen3-32b", "qwen3-30b-a3b", "qwen3-235b-a22b", "nemotron4-340b", "gpt-oss-120b",
     "mcore-gpt-1.7b", "mcore-gpt-462b", "megatron-gpt-1.7b", "megatron-gpt-1t", "nemo-gpt3-5b",
-    "nemo-gpt3-20b", "nemotron3-8b", "nemotron3-22b",
+    "nemo-gpt3-20b", "nemotron3-8b", "nemotron3-22b", "nemotron-h-8b", "nemotron-h-56b", "nemotron-3-nano-30b-a3b",
+    "moonlight-16b-a3b", "deepseek-v2-lite", "gpt-oss-20b",
 ]
 
 
@@ -40,7 +41,8 @@ EXACT = {
     "megatron-gpt-145.6b", "megatron-gpt-310.1b", "mt-nlg-530b", "megatron-gpt-1t", "nemotron4-340b",
     "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b", "llama3.1-8b", "llama3.1-70b",
     "llama3.1-405b", "mixtral-8x7b", "mixtral-8x22b", "deepseek-v3", "qwen3-8b", "qwen3-32b",
-    "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "gpt3-1.3b",
+    "qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "gpt3-1.3b", "gpt-oss-20b", "deepseek-v2-lite",
+    "nemotron-h-8b", "nemotron-3-nano-30b-a3b",
 }
 
 
@@ -67,7 +69,8 @@ def test_checkpoint_counts_are_reproduced_to_the_parameter():
     assert count_params(shape("deepseek-v3"), include_mtp=False) + 58 * 256 == 671_026_419_200
 
 
-@pytest.mark.parametrize("key", ["mixtral-8x7b", "mixtral-8x22b", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"])
+@pytest.mark.parametrize("key", ["mixtral-8x7b", "mixtral-8x22b", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b",
+                                 "nemotron-3-nano-30b-a3b"])
 def test_active_parameters_match_the_published_figure(key):
     m = catalog_model(key)
     ours_b = count_active_params(shape(key)) / 1e9
@@ -75,11 +78,13 @@ def test_active_parameters_match_the_published_figure(key):
     assert ours_b == pytest.approx(m.active_params_b, rel=0.02), (key, ours_b)
 
 
-def test_gpt_oss_active_count_excludes_the_input_embedding_as_openai_counts_it():
-    s = shape("gpt-oss-120b")
-    # OpenAI model card: 5.13B active; their count omits the input embedding (V*h = 0.579B).
+@pytest.mark.parametrize("key,rel", [("gpt-oss-120b", 0.005), ("gpt-oss-20b", 0.005), ("deepseek-v2-lite", 0.03)])
+def test_active_counts_that_exclude_the_input_embedding(key, rel):
+    s = shape(key)
+    # OpenAI model cards (5.13B, 3.61B) and DeepSeek-V2-Lite's 2.4B omit the input embedding (V*h);
+    # 2.4B is rounded to 2 digits.
     active_b = (count_active_params(s) - s.vocab_size * s.hidden_size) / 1e9
-    assert active_b == pytest.approx(5.13, rel=0.005)
+    assert active_b == pytest.approx(catalog_model(key).active_params_b, rel=rel)
 
 
 def test_deepseek_mtp_module_adds_one_moe_layer_plus_projection():
@@ -197,3 +202,37 @@ def test_swiglu_default_ffn_is_megatrons_two_thirds_of_4h_rounded_to_64():
     assert shape.ffn_hidden_size == 10880  # 4*4096*2/3 = 10922.7 -> 170 * 64
     plain = resolve_model(ModelSpec(num_layers=2, hidden_size=4096, num_attention_heads=32, vocab_size=1000))
     assert plain.ffn_hidden_size == 16384
+
+
+NEMOTRON_H_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+
+def test_a_hybrid_pattern_sets_the_layers_and_their_kinds():
+    s = shape("nemotron-h-8b")
+    assert (s.num_layers, s.num_mamba_layers, s.num_attention_layers, s.num_dense_layers, s.num_moe_layers) == (52, 24, 4, 24, 0)
+    assert (s.mamba_num_heads, s.mamba_d_inner) == (128, 8192)
+    nano = shape("nemotron-3-nano-30b-a3b")
+    assert (nano.num_mamba_layers, nano.num_attention_layers, nano.num_dense_layers, nano.num_moe_layers) == (23, 6, 0, 23)
+    assert nano.moe_layer_pattern[:3] == (0, 1, 0)  # M E M ...
+    # Without mamba_num_heads, MambaMixer takes expand (2) x hidden / head dim.
+    d = shape(hybrid_layer_pattern="M*-", hidden_size=1024, num_attention_heads=8, vocab_size=1000, mamba_head_dim=32)
+    assert (d.num_layers, d.mamba_num_heads, d.mamba_state_dim, d.mamba_num_groups) == (3, 64, 128, 8)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(num_layers=48), r"model\.num_layers \(48\) differs from the 52 layers"),
+    (dict(hybrid_layer_pattern="M*|M*"), r"unsupported symbol\(s\) '\|'"),
+    (dict(hybrid_layer_pattern="M*E-"), r"MoE \('E'\) layers but model\.num_experts is unset"),
+    (dict(mtp_num_layers=1), r"model\.mtp_num_layers with model\.hybrid_layer_pattern"),
+])
+def test_hybrid_patterns_it_cannot_describe_are_named(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        shape("nemotron-h-8b", **kw)
+
+
+def test_a_hybrid_layer_has_one_pre_norm_and_qk_layernorm_adds_two_head_norms():
+    s = shape("nemotron-h-8b")
+    assert param_counts(s).norms == 52 * 4096 + 4096
+    q = shape("qwen3-8b")
+    no_qk = shape("qwen3-8b", qk_layernorm=False)
+    assert count_params(q) - count_params(no_qk) == 36 * 2 * 128

@@ -1,44 +1,67 @@
-"""Predictions for the plan as a profile job ran it (the entry falls back without TE or Apex)."""
+"""Predictions for the plan as a profile job ran it (Megatron's parsed arguments in result.json)
+and for the rank a memory_at_scale job measured."""
 
 from __future__ import annotations
 
 import pytest
 
 from mcore_advisor.launcher import jobs
-from mcore_advisor.launcher.as_ran import as_ran
-from mcore_advisor.physics.memory import memory_breakdown
+from mcore_advisor.launcher.as_ran import as_ran, rank_terms
+from mcore_advisor.physics.memory import GIB, memory_breakdown
 from mcore_advisor.physics.step_time import step_time
 from mcore_advisor.schemas import ClusterSpec, ModelSpec, Plan, TrainingSpec, with_changes
 
 PLAN = Plan(model=ModelSpec(name="gpt3-1.3b"), cluster=ClusterSpec(gpu="h200", num_gpus=1),
             training=TrainingSpec(seq_length=2048, global_batch_size=32, micro_batch_size=8))
+#: what entry/profile.py records of Megatron's arguments for PLAN run as rendered on a TE machine without Apex
+AS_RENDERED = {"transformer_impl": "transformer_engine",
+               "settings": {"attention_backend": "AttnBackend.auto", "gradient_accumulation_fusion": False,
+                            "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native",
+                            "moe_grouped_gemm": False, "grad_reduce_in_bf16": False}}
 
 
-def test_a_run_that_matched_the_plan_changes_nothing():
-    ran = as_ran(PLAN, {"transformer_impl": "transformer_engine",
-                        "settings": {"gradient_accumulation_fusion": "all layers", "cross_entropy_loss_fusion": True}})
-    assert ran.plan == PLAN and ran.differences == [] and ran.output_layer_wgrad_fusion is None
+def test_a_run_as_rendered_predicts_for_the_rendered_choices_only():
+    ran = as_ran(PLAN, AS_RENDERED)
+    # the script passes --no-gradient-accumulation-fusion without Apex; nothing else differs
+    assert ran.plan == with_changes(PLAN, "implementation", gradient_accumulation_fusion=False)
+    assert ran.differences == ["gradient_accumulation_fusion False"]
     assert as_ran(PLAN, None).plan == PLAN
     assert jobs._as_ran_prediction(PLAN.model_dump(mode="json"), None) == (None, None)
 
 
-def test_no_te_and_no_apex_fallbacks_are_what_gets_predicted():
-    # a machine without Transformer Engine: local spec, no wgrad fusion, the run's cross entropy
-    local = as_ran(PLAN, {"transformer_impl": "local",
-                          "settings": {"gradient_accumulation_fusion": False, "cross_entropy_loss_fusion": False}})
-    im = local.plan.implementation
+def test_the_local_spec_fallback_without_te_is_what_gets_predicted():
+    result = {"transformer_impl": "local",
+              "settings": {**AS_RENDERED["settings"], "cross_entropy_loss_fusion": False}}
+    ran = as_ran(PLAN, result)
+    im = ran.plan.implementation
     assert (im.transformer_impl, im.gradient_accumulation_fusion, im.cross_entropy_loss_fusion) == ("local", False, False)
-    assert any("transformer_impl local" in d for d in local.differences)
-    # TE without Apex: TE layers fuse, Megatron's output layer does not
-    te_only = as_ran(PLAN, {"transformer_impl": "transformer_engine", "settings": {"gradient_accumulation_fusion": "TE layers"}})
-    assert te_only.plan.implementation.gradient_accumulation_fusion is True and te_only.output_layer_wgrad_fusion is False
-    figures, note = jobs._as_ran_prediction(PLAN.model_dump(mode="json"),
-                                            {"transformer_impl": "local", "settings": {"gradient_accumulation_fusion": False}})
-    ran_plan = with_changes(PLAN, "implementation", transformer_impl="local", gradient_accumulation_fusion=False)
-    assert figures.iteration_time_s == pytest.approx(step_time(ran_plan).iteration_time_s)
+    assert "transformer_impl local (the plan asked for transformer_engine)" in ran.differences
+    figures, note = jobs._as_ran_prediction(PLAN.model_dump(mode="json"), result)
+    assert figures.iteration_time_s == pytest.approx(step_time(ran.plan).iteration_time_s)
     assert figures.iteration_time_s != pytest.approx(step_time(PLAN).iteration_time_s)
+    assert figures.peak_allocated_gib == pytest.approx(memory_breakdown(ran.plan).peak_allocated_gib)
     assert "as the job ran it" in note and "transformer_impl local" in note
-    figures, _ = jobs._as_ran_prediction(PLAN.model_dump(mode="json"),
-                                         {"transformer_impl": "transformer_engine", "settings": {"gradient_accumulation_fusion": "TE layers"}})
-    assert figures.peak_allocated_gib == pytest.approx(memory_breakdown(PLAN, output_layer_wgrad_fusion=False).peak_allocated_gib)
-    assert figures.peak_allocated_gib < memory_breakdown(PLAN).peak_allocated_gib  # 128 MiB: no output-layer dummy
+
+
+def test_a_memory_at_scale_job_is_compared_with_the_stage_it_measured_term_by_term():
+    plan = Plan(model=ModelSpec(name="llama3-70b"), cluster=ClusterSpec(gpu="h100-sxm", num_gpus=64),
+                training=TrainingSpec(seq_length=8192, global_batch_size=128, micro_batch_size=1),
+                parallelism={"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 4, "sequence_parallel": True})
+    ran = as_ran(plan, AS_RENDERED).plan
+    stage = next(s for s in memory_breakdown(ran).stages if s.pipeline_rank == 1)
+    # rank 16 = pipeline stage 1; measured: 20 GiB after iteration 1, 30 GiB peak
+    result = {**AS_RENDERED, "mode": "memory_at_scale", "measured_rank": 16, "memory_read_after_iteration": 2,
+              "ranks": [{"num_params_local": stage.num_params}], "peak_allocated_gib": [30.0],
+              "memory_after_iteration_mb": [{"1": {"allocated_mb": 20 * 1024.0}}]}
+    peak, rows, note = rank_terms(plan, result)
+    assert peak == pytest.approx(stage.peak_allocated_bytes / GIB)
+    by = {r["term"]: r for r in rows}
+    assert by["num_params"]["error_pct"] == 0.0
+    static = (stage.weights_bytes + stage.gradients_bytes + stage.optimizer_bytes) / GIB
+    assert by["weights_gradients_optimizer_gib"]["predicted"] == pytest.approx(static)
+    assert by["weights_gradients_optimizer_gib"]["error_pct"] == pytest.approx((static - 20) / 20 * 100, abs=0.01)
+    assert by["activations_transient_buffers_gib"]["measured"] == pytest.approx(10.0)
+    assert by["peak_allocated_gib"]["error_pct"] == pytest.approx((peak - 30) / 30 * 100, abs=0.01)
+    assert "rank 16 (pipeline stage 1" in note
+    figures, terms, _ = jobs._at_scale_prediction(plan.model_dump(mode="json"), result)
+    assert figures.peak_allocated_gib == pytest.approx(peak) and terms == rows

@@ -181,9 +181,9 @@ def test_list_jobs_is_newest_first_filters_by_state_and_rejects_unknown_states(t
 
 def test_an_unknown_job_id_is_a_key_error_that_says_so(tmp_path, fake_entry):
     mgr = manager(tmp_path, fake_entry, "ok")
-    with pytest.raises(KeyError, match="unknown job id 'deadbeef0000'"):
+    with pytest.raises(KeyError, match="job_id: no job 'deadbeef0000' in this store"):
         mgr.get("deadbeef0000")
-    with pytest.raises(KeyError, match="unknown job id"):
+    with pytest.raises(KeyError, match="job_id: no job "):
         mgr.cancel("deadbeef0000")
 
 
@@ -373,3 +373,36 @@ def test_a_large_gc_pause_in_a_measured_iteration_is_named_with_the_manual_gc_fi
     assert jobs._gc_note(_gc_result([0.9, 0.002, 0.030, 0.002]), {"implementation": {}}) is None  # 4% < 5%
     assert "despite manual_gc" in jobs._gc_note(_gc_result([0.0, 0.0, 0.2, 0.0]), {"implementation": {"manual_gc": True}})
     assert jobs._gc_note({"iter_s": 1.0}, {}) is None and jobs._gc_note(None, {}) is None
+
+
+def test_a_job_whose_backend_ref_never_reached_the_store_is_picked_up_from_ref_json(tmp_path, fake_entry):
+    mgr = manager(tmp_path, fake_entry, "ok")
+    sub = mgr.submit(ProfileJobRequest(plan=tiny_plan()))
+    assert json.loads((Path(sub.job_dir) / jobs.REF_FILE).read_text())["native_id"] == sub.backend_job_id
+    mgr.store.update(sub.job_id, backend_ref=None)  # as if the store was locked right after the submit
+    assert wait_for(mgr, sub.job_id, {"COMPLETED", "FAILED"}).state == "COMPLETED"
+    assert mgr.store.get(sub.job_id).backend_ref["native_id"] == sub.backend_job_id
+
+
+def test_a_backend_that_cannot_be_asked_reports_unknown_and_keeps_the_stored_state(tmp_path, fake_entry):
+    from mcore_advisor.launcher.backends.base import BackendUnavailable
+    from mcore_advisor.launcher.backends.local import LocalBackend
+
+    class Flaky(LocalBackend):
+        down = True
+
+        def status(self, refs):
+            if self.down:
+                raise BackendUnavailable("backend 'local': not answering (tried 2 times over 1 s)")
+            return super().status(refs)
+
+    flaky = Flaky()
+    mgr = JobManager(JobStore(tmp_path / "jobs.sqlite3"), entry=[str(fake_entry), "ok"], backends={"local": flaky})
+    sub = mgr.submit(ProfileJobRequest(plan=tiny_plan()))
+    st = mgr.get(sub.job_id)
+    assert (st.state, st.last_known_state) == ("UNKNOWN", "RUNNING")
+    assert st.error.startswith("state unknown: backend 'local': not answering (tried 2 times over 1 s); the job was last seen RUNNING")
+    assert [(j.state, j.error == st.error) for j in mgr.list().jobs] == [("UNKNOWN", True)]
+    assert mgr.store.get(sub.job_id).state == "RUNNING"
+    flaky.down = False
+    assert wait_for(mgr, sub.job_id, {"COMPLETED", "FAILED"}).state == "COMPLETED"

@@ -197,3 +197,95 @@ def test_more_nodes_or_gpus_than_this_host_has_are_rejected_naming_the_field(tmp
 
 def test_the_fake_entry_runs_under_this_interpreter():
     assert sys.executable  # the supervisor and the fake entry both use it
+
+
+def _wait_file(path: Path, timeout_s: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.01)
+    raise AssertionError(f"{path} never appeared")
+
+
+def _kill_supervisor(ref: JobRef) -> None:
+    os.kill(ref.data["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 3
+    while not _gone(ref.data["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_the_job_runs_in_its_own_process_group_recorded_in_job_json(tmp_path, fake_entry):
+    backend = LocalBackend()
+    art = _artifact(tmp_path, fake_entry, "wait")
+    ref = backend.submit(art)
+    job = _wait_file(art.job_dir / sv.JOB_FILE)
+    st = sv.proc_stat(job["pid"])
+    assert job["pgid"] == job["pid"] == st["pgrp"] == st["session"]  # a session and group of its own
+    assert job["pgid"] != ref.data["pgid"]  # not the supervisor's
+    (art.job_dir / "go").touch()
+    assert _wait_state(backend, ref, "COMPLETED").state == "COMPLETED"
+
+
+def test_after_kill_9_of_the_supervisor_the_job_keeps_running_and_its_end_is_still_seen(tmp_path, fake_entry):
+    backend = LocalBackend()
+    art = _artifact(tmp_path, fake_entry, "wait")
+    ref = backend.submit(art)
+    job = _wait_file(art.job_dir / sv.JOB_FILE)
+    _kill_supervisor(ref)
+    st = backend.status({"k": ref})["k"]
+    assert (st.state, st.native_state) == ("RUNNING", "running (supervisor gone)")
+    assert f"supervisor (pid {ref.data['pid']}) was killed" in st.reason and str(job["pid"]) in st.reason
+    (art.job_dir / "go").touch()
+    st = _wait_state(backend, ref, "FAILED")
+    # No exit record: the backend says lost, and the job directory's result.json decides (jobs.py turns it COMPLETED).
+    assert st.lost and read_outcome(art.job_dir).state == "COMPLETED"
+
+
+def test_cancel_after_kill_9_of_the_supervisor_stops_the_job_and_its_workers(tmp_path, fake_entry):
+    backend = LocalBackend(cancel_wait_s=0.3)
+    art = _artifact(tmp_path, fake_entry, "stubborn")
+    ref = backend.submit(art)
+    pids = _wait_file(art.job_dir / "pids.json")
+    _kill_supervisor(ref)
+    assert backend.status({"k": ref})["k"].state == "RUNNING"
+    assert not _gone(pids["main"]) and not _gone(pids["worker"])
+    backend.cancel(ref)
+    deadline = time.monotonic() + 3
+    while not (_gone(pids["main"]) and _gone(pids["worker"])) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _gone(pids["main"]) and _gone(pids["worker"])  # SIGTERM ignored, SIGKILL after cancel_wait_s
+    st = backend.status({"k": ref})["k"]
+    assert (st.state, st.reason) == ("CANCELLED", "cancelled by request")
+
+
+def test_the_time_limit_still_holds_after_kill_9_of_the_supervisor(tmp_path, fake_entry):
+    backend = LocalBackend(cancel_wait_s=0.2)
+    art = _artifact(tmp_path, fake_entry, "sleep", time_limit_min=1.0 / 60)  # 1 s
+    ref = backend.submit(art)
+    job = _wait_file(art.job_dir / sv.JOB_FILE)
+    _kill_supervisor(ref)
+    st = _wait_state(backend, ref, "TIMEOUT")
+    assert st.state == "TIMEOUT" and "server stopped the job at its wall-clock limit" in st.reason
+    assert _gone(job["pid"])
+
+
+def test_a_job_process_killed_with_sigkill_fails_naming_the_signal(tmp_path, fake_entry):
+    backend = LocalBackend()
+    art = _artifact(tmp_path, fake_entry, "wait")
+    ref = backend.submit(art)
+    job = _wait_file(art.job_dir / sv.JOB_FILE)
+    os.kill(job["pid"], signal.SIGKILL)
+    st = _wait_state(backend, ref, "FAILED")
+    assert (st.state, st.exit_code, st.reason) == ("FAILED", -signal.SIGKILL, "killed by SIGKILL")
+
+
+def test_an_oversized_result_json_is_not_loaded_and_fails_the_job(tmp_path, monkeypatch):
+    from mcore_advisor.launcher.backends import base
+
+    monkeypatch.setattr(base, "MAX_RESULT_BYTES", 1000)
+    (tmp_path / "result.json").write_text('{"status": "ok", "pad": "' + "x" * 2000 + '"}')
+    out = read_outcome(tmp_path)
+    assert out.state == "FAILED" and out.result is None
+    assert out.error.startswith("result.json is larger than the 1,000 bytes mcore-advisor reads")

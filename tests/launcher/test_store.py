@@ -66,9 +66,9 @@ def test_list_filters_by_state_and_honours_the_limit(tmp_path):
 
 def test_unknown_job_id_raises_key_error_naming_it(tmp_path):
     store = JobStore(tmp_path / "db.sqlite3")
-    with pytest.raises(KeyError, match="unknown job id 'nope'"):
+    with pytest.raises(KeyError, match="job_id: no job 'nope' in this store"):
         store.get("nope")
-    with pytest.raises(KeyError, match="unknown job id 'nope'"):
+    with pytest.raises(KeyError, match="job_id: no job 'nope' in this store"):
         store.update("nope", state="FAILED")
 
 
@@ -142,3 +142,32 @@ def test_job_ids_are_short_and_distinct():
     ids = {new_job_id() for _ in range(1000)}
     assert len(ids) == 1000
     assert all(len(i) == 12 and int(i, 16) >= 0 for i in ids)
+
+
+@pytest.mark.parametrize("code, words", [
+    ("SQLITE_BUSY", "is locked: another process has held its write lock for over 5 s"),
+    ("SQLITE_CORRUPT", "is corrupt (boom); nothing was changed. Move it aside (mv /s/jobs.sqlite3 /s/jobs.sqlite3.corrupt"),
+    ("SQLITE_NOTADB", "is corrupt"),
+    ("SQLITE_FULL", "the disk is full (boom); nothing was written. Free space on the file system of /s"),
+    ("SQLITE_READONLY", "cannot be written (boom): check the permissions of the file and of /s"),
+    ("SQLITE_CANTOPEN", "set MCORE_ADVISOR_STATE_DIR to a writable directory"),
+    ("SQLITE_IOERR_FSYNC", "disk I/O error (boom); check the disk"),
+    ("SQLITE_MISMATCH", "SQLite error SQLITE_MISMATCH (boom)"),
+])
+def test_every_sqlite_failure_names_the_file_the_cause_and_the_remedy(code, words):
+    msg = store_mod.describe_sqlite_error(Path("/s/jobs.sqlite3"), sqlite3.OperationalError("boom"), name=code)
+    assert msg.startswith("job store /s/jobs.sqlite3")
+    assert words in msg
+
+
+def test_an_unwritable_state_dir_is_a_store_error_naming_it(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(store_mod.StoreError, match=r"cannot create its directory .*set MCORE_ADVISOR_STATE_DIR"):
+        JobStore(tmp_path / "file" / "sub" / "jobs.sqlite3")
+
+
+def test_a_hostile_job_id_is_quoted_short_in_errors(tmp_path):
+    s = JobStore(tmp_path / "jobs.sqlite3")
+    with pytest.raises(KeyError) as info:
+        s.get("y" * 100_000)
+    assert "(100,002 characters)" in str(info.value) and len(str(info.value)) < 200

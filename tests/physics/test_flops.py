@@ -11,7 +11,7 @@ from mcore_advisor.physics.flops import (
     gpt3_closed_form_flops,
     hardware_flops_per_iteration,
 )
-from mcore_advisor.schemas import ModelSpec
+from mcore_advisor.schemas import ModelSpec, ParallelismSpec
 
 
 def _shape(**kw):
@@ -71,7 +71,7 @@ def test_korthikanti_175b_selective_mfu_and_hfu_reproduce_the_paper(time_s, mfu,
     # selective recompute; MFU 51.4% / HFU 52.8% against 312 TFLOP/s (old Megatron README).
     shape = _gpt(96, 12288, 96)
     model = flops_per_iteration(shape, 2048, 64, "full")
-    hw = hardware_flops_per_iteration(shape, 2048, 64, "full", recompute_granularity="selective")
+    hw = hardware_flops_per_iteration(shape, 2048, 64, "full", ParallelismSpec(recompute_granularity="selective"))
     denom = time_s * 64 * 312e12
     assert 100 * model / denom == pytest.approx(mfu, abs=0.05)
     assert 100 * hw / denom == pytest.approx(hfu, abs=0.05)
@@ -81,17 +81,17 @@ def test_full_recompute_hfu_is_narayanan_96_form():
     # Narayanan et al. 2021 eq. 3: with full recompute 96*B*s*L*h^2*(1 + s/(6h) + V/(16*L*h)).
     B, s, L, h, V = 512, 2048, 24, 2304, 51200
     shape = _gpt(L, h, 24, V)
-    hw = hardware_flops_per_iteration(shape, s, B, "full", recompute_granularity="full", recompute_method="uniform",
-                                      recompute_num_layers=1)
+    hw = hardware_flops_per_iteration(shape, s, B, "full", ParallelismSpec(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
     assert hw == pytest.approx(96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h)), rel=1e-12)
 
 
 def test_block_recompute_reruns_only_the_first_layers_of_each_chunk():
     shape = _gpt(32, 4096, 32)
     model_bd = flops_per_token_breakdown(shape, 4096, "causal")
-    hw = hardware_flops_per_iteration(shape, 4096, 8, "causal", recompute_granularity="full", recompute_method="block",
-                                      recompute_num_layers=2, pipeline_model_parallel_size=4,
-                                      virtual_pipeline_model_parallel_size=2)
+    hw = hardware_flops_per_iteration(shape, 4096, 8, "causal", ParallelismSpec(
+        recompute_granularity="full", recompute_method="block", recompute_num_layers=2,
+        pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2))
     # 32 layers / (PP4 * VP2) = 4 layers per chunk, 2 of them rerun: half the layer FLOPs get a third more.
     expected = (model_bd.total_flops + model_bd.layer_flops * 0.5 / 3) * 8 * 4096
     assert hw == pytest.approx(expected, rel=1e-12)

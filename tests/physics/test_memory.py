@@ -341,15 +341,20 @@ def test_cluster_memory_override_sets_capacity():
     assert memory_breakdown(plan).capacity_gib == 40.0
 
 
-def test_memory_breakdown_is_fast_enough_for_search_loops():
+def test_memory_breakdown_is_fast_enough_for_evaluating_candidate_plans():
+    # The diagnoses and the recommender's final checks evaluate dozens of plans one by one (the search
+    # itself runs memory_arrays on whole batches). CPU time, best of 5, so other processes on a
+    # shared machine do not decide the outcome.
     plan = _plan(dict(name="llama3-70b"), gpus=64, gpu="h100-sxm", par=dict(tensor_model_parallel_size=8,
                  pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=5, sequence_parallel=True))
     memory_breakdown(plan)
-    n = 200
-    t0 = time.perf_counter()
-    for _ in range(n):
-        memory_breakdown(plan)
-    assert (time.perf_counter() - t0) / n < 1e-3
+    n, best = 50, float("inf")
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(n):
+            memory_breakdown(plan)
+        best = min(best, (time.process_time() - t0) / n)
+    assert best < 1e-3
 
 
 # ---- measured ----------------------------------------------------------------------------
@@ -463,3 +468,34 @@ def test_te_gradient_accumulation_fusion_keeps_one_bf16_dummy_per_distinct_weigh
     gpt27 = dict(num_layers=32, hidden_size=2560, num_attention_heads=32, ffn_hidden_size=10240, vocab_size=32768,
                  swiglu=False, normalization="LayerNorm", add_bias_linear=True, position_embedding_type="rope")
     assert peak(gpt27, 2, True, False) - peak(gpt27, 2, False) == pytest.approx(75 * mib)
+
+
+def test_memory_arrays_on_a_mixed_batch_is_memory_breakdown_row_by_row():
+    # One batch mixing layouts, micro-batches, precisions, recompute kinds and uneven splits: each row is
+    # what memory_breakdown (the one-row view) reports for the same plan.
+    from mcore_advisor.physics.layouts import LayoutBatch
+    from mcore_advisor.physics.memory import memory_arrays
+
+    rows = [
+        dict(tensor_model_parallel_size=8, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=5,
+             sequence_parallel=True),
+        dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=2, recompute_granularity="selective",
+             sequence_parallel=True),
+        dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=8, recompute_granularity="full",
+             recompute_method="block", recompute_num_layers=3, use_distributed_optimizer=False),
+        dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=18,
+             decoder_last_pipeline_num_layers=22, recompute_granularity="full", recompute_method="uniform",
+             recompute_num_layers=2, context_parallel_size=2, sequence_parallel=True),
+    ]
+    plans = [_plan(dict(name="llama3-70b"), gpus=64, gpu="h100-sxm", seq=8192, gbs=128, mbs=1 + i % 2, par=par,
+                   precision="fp8" if i % 2 else "bf16") for i, par in enumerate(rows)]
+    shape = resolve_model(plans[0].model)
+    one = [LayoutBatch.from_plan(p, shape) for p in plans]
+    cols = {n: [getattr(b, n)[0] for b in one] for n in ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "num_gpus",
+            "micro_batch_size", "sequence_parallel", "fp8", "use_distributed_optimizer", "recompute",
+            "recompute_block", "recompute_num_layers", "first_stage_layers", "last_stage_layers")}
+    m = memory_arrays(LayoutBatch(shape, 8192, 128, one[0].impl, **cols))
+    for i, p in enumerate(plans):
+        bd = memory_breakdown(p)
+        assert m.total_gib[i] == pytest.approx(bd.total_gib, rel=1e-12)
+        assert m.peak_allocated_bytes[i] == pytest.approx(bd.peak_allocated_gib * GIB, rel=1e-12)

@@ -7,6 +7,7 @@ import pytest
 
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics import step_time as perf
+from mcore_advisor.physics.layouts import LayoutBatch
 from mcore_advisor.physics.step_time import (
     hardware_params,
     pipeline_bubble_fraction,
@@ -105,18 +106,39 @@ def test_dp_reduce_scatter_and_all_gather_move_the_local_parameters_once_each():
     # No overlap, distributed optimizer, TP1/PP1, 16 GPUs on 2 nodes: grads reduce-scattered in fp32
     # and params all-gathered in bf16 over DP=16, (N-1)/N of P each. P per layer of a GPT block with
     # biases and LayerNorm = 12h^2 + 13h (QKV 3h^2+3h, proj h^2+h, fc1 4h^2+4h, fc2 4h^2+h, 2 norms 4h),
-    # plus the tied embedding V*h. A group with 8 ranks per node spanning nodes gets 8 NICs, capped by
+    # plus the tied embedding V*h, the learned position embedding s*h and the final LayerNorm 2h (the
+    # one rank holds them all: physics.memory.rank_params). A group with 8 ranks per node spanning nodes gets 8 NICs, capped by
     # NVLink: min(450 * 0.68, 8 * 50 * 0.85) = 306 GB/s, at the size ramp S/(S + 16 MiB).
     L, h, V = 4, 4096, 128
     model = dict(GPT_SMALL_VOCAB, num_layers=L)
     e = step_time(_plan(model, num_gpus=16, gbs=16, overlap_grad_reduce=False, overlap_param_gather=False))
-    P = L * (12 * h * h + 13 * h) + V * h
+    P = L * (12 * h * h + 13 * h) + V * h + 4096 * h + 2 * h
+    assert e.breakdown.dp_comm_exposed_s == pytest.approx(_dp16_two_nodes_s(P), rel=1e-6)
+
+
+def _dp16_two_nodes_s(P: float) -> float:
+    """Reduce-scatter of P fp32 gradients + all-gather of P bf16 parameters over 16 ranks on 2 nodes."""
     bw = min(450e9 * perf.NVLINK_EFFICIENCY, 8 * 50e9 * perf.NETWORK_EFFICIENCY)
     lat = perf.COLLECTIVE_LATENCY_S + 15 * perf.NETWORK_HOP_LATENCY_S
     ramp = lambda S: S / (S + 16 * 2**20)  # noqa: E731
     rs = 15 / 16 * P * 4 / (bw * ramp(P * 4)) + lat
     ag = 15 / 16 * P * 2 / (bw * ramp(P * 2)) + lat
-    assert e.breakdown.dp_comm_exposed_s == pytest.approx(rs + ag, rel=1e-6)
+    return rs + ag
+
+
+def test_dp_traffic_and_the_adam_step_cover_llama3_8bs_embedding_and_untied_output_layer():
+    # Llama-3-8B on TP1 PP1 DP16: the one rank holds all 8,030,261,248 parameters (hand-derived in
+    # tests/physics/test_stage_params.py), embedding and output layer included; the former averaged
+    # count held one V*h, 6.5% short.
+    P = 8_030_261_248
+    plan = _plan("llama3-8b", num_gpus=16, gbs=16, overlap_grad_reduce=False, overlap_param_gather=False)
+    e = step_time(plan)
+    assert e.breakdown.dp_comm_exposed_s == pytest.approx(_dp16_two_nodes_s(P), rel=1e-9)
+    # the Adam step streams the 1/16 shard and zeroes the whole fp32 gradient buffer
+    hw = hardware_params(plan.cluster)
+    stream = hw.hbm_bandwidth_gbps * 1e9 * hw.stream_fraction
+    adam = (P / 16 * perf.ADAM_BYTES_PER_PARAM + P * 4) / stream + 20 * perf.KERNEL_LAUNCH_S
+    assert e.breakdown.optimizer_s == pytest.approx(adam, rel=1e-9)
 
 
 def test_selective_recompute_reruns_only_the_attention_forward():
@@ -204,7 +226,7 @@ def test_vectorised_path_matches_step_time_plan_by_plan():
     tp = np.array([1, 2, 4, 8])
     pp = np.array([4, 2, 1, 1])
     dp = 64 // (tp * pp)
-    r = step_time_arrays(shape, hw, 4096, 256, tp=tp, pp=pp, dp=dp, micro_batch_size=1, sequence_parallel=tp > 1)
+    r = step_time_arrays(LayoutBatch(shape, 4096, 256, tp=tp, pp=pp, dp=dp, micro_batch_size=1, sequence_parallel=tp > 1), hw)
     for i in range(4):
         e = step_time(_plan("llama3-8b", num_gpus=64, gbs=256, tensor_model_parallel_size=int(tp[i]),
                             pipeline_model_parallel_size=int(pp[i]), sequence_parallel=bool(tp[i] > 1)))
@@ -256,9 +278,9 @@ def test_anchor_nemo_llama2_70b_fp8_tokens_per_second_within_10_percent():
 def test_vectorised_path_scores_moe_and_recompute_grids_in_one_call():
     shape = resolve_model(ModelSpec(name="mixtral-8x7b"))
     hw = hardware_params(ClusterSpec(gpu="h100-sxm", num_gpus=64))
-    ep = np.array([1, 2, 4, 8])[:, None]
-    rc = np.array([0, 1, 2])[None, :]
-    r = step_time_arrays(shape, hw, 4096, 256, tp=2, pp=4, dp=8, ep=ep, sequence_parallel=True, recompute=rc)
+    ep, rc = (x.ravel() for x in np.meshgrid([1, 2, 4, 8], [0, 1, 2], indexing="ij"))
+    batch = LayoutBatch(shape, 4096, 256, tp=2, pp=4, dp=8, ep=ep, sequence_parallel=True, recompute=rc)
+    r = {k: v.reshape(4, 3) for k, v in step_time_arrays(batch, hw).items()}
     t = r["iteration_time_s"]
     assert t.shape == (4, 3) and np.all(np.isfinite(t)) and np.all(t > 0)
     # recompute never speeds a step up; full costs more than selective

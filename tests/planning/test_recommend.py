@@ -18,7 +18,7 @@ from mcore_advisor.planning.recommend import (
     recommend_parallelism,
     request_from_options,
 )
-from mcore_advisor.schemas import ClusterSpec, ModelSpec
+from mcore_advisor.schemas import ClusterSpec, ImplementationSpec, ModelSpec
 from mcore_advisor.validators import errors, validate
 
 
@@ -284,3 +284,15 @@ def test_the_nearest_published_run_prefers_the_plan_s_precision():
     else:
         assert _precision_family(bf16.precision) != "fp8"
     assert nearest_published_run(shape, cluster, 8192).distance == fp8.distance  # no precision given: no penalty
+
+
+def test_fsdp2_is_searched_when_the_implementation_asks_for_it():
+    # Megatron's --use-torch-fsdp2 shards weights, gradients and optimizer state and excludes PP, EP and
+    # the distributed optimizer: the plans respect that, validate and fit (the request used to be refused).
+    req = _req(n=16, what_if=False, implementation=ImplementationSpec(use_torch_fsdp2=True))
+    rec = recommend_parallelism(req)
+    _assert_sound(rec, req)
+    for p in rec.plans:
+        par = p.plan.parallelism
+        assert p.plan.implementation.use_torch_fsdp2 and par.pipeline_model_parallel_size == 1
+        assert not par.use_distributed_optimizer and not par.overlap_param_gather

@@ -1,5 +1,6 @@
-"""The layout search engine: its memory replica equals physics.memory, its dominance premises hold in
-physics.step_time, its uneven splits are Megatron's, and its counts add up."""
+"""The layout search engine: its memory and time are memory_breakdown's and step_time's (one function on a
+batch and on a row), its dominance premises hold in physics.step_time, its uneven splits are Megatron's,
+FSDP2 is searched, and its counts add up."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from mcore_advisor.knowledge.hardware import gpu
-from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.knowledge.models import count_params, model_catalog, resolve_model
+from mcore_advisor.physics.layouts import LayoutBatch
 from mcore_advisor.physics.memory import memory_breakdown
 from mcore_advisor.physics.step_time import hardware_params, step_time, step_time_arrays
 from mcore_advisor.planning.search import (
@@ -29,6 +31,7 @@ from mcore_advisor.schemas import (
     Plan,
     TrainingSpec,
 )
+from mcore_advisor.validators import errors, validate
 
 SMALL_GPT = dict(num_layers=12, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096, vocab_size=32000)
 
@@ -126,8 +129,8 @@ def test_distributed_optimizer_is_never_slower_in_the_time_model():
     tp, pp, cp = tp.ravel(), pp.ravel(), cp.ravel()
     dp = 512 // (tp * pp * cp)
     kw = dict(tp=tp, pp=pp, cp=cp, dp=dp, micro_batch_size=1, sequence_parallel=tp > 1)
-    on = step_time_arrays(shape, hw, 4096, 1024, use_distributed_optimizer=True, overlap_param_gather=True, **kw)
-    off = step_time_arrays(shape, hw, 4096, 1024, use_distributed_optimizer=False, overlap_param_gather=False, **kw)
+    on = step_time_arrays(LayoutBatch(shape, 4096, 1024, use_distributed_optimizer=True, overlap_param_gather=True, **kw), hw)
+    off = step_time_arrays(LayoutBatch(shape, 4096, 1024, use_distributed_optimizer=False, overlap_param_gather=False, **kw), hw)
     assert np.all(on["iteration_time_s"] <= off["iteration_time_s"] * (1 + 1e-12))
 
 
@@ -135,9 +138,11 @@ def test_recomputing_never_runs_faster_than_not_recomputing():
     shape = resolve_model(ModelSpec(name="llama3-8b"))
     hw = hardware_params(ClusterSpec(gpu="h100-sxm", num_gpus=8))
     kw = dict(tp=np.array([1, 2, 4, 8]), dp=np.array([8, 4, 2, 1]), micro_batch_size=2)
-    none = step_time_arrays(shape, hw, 4096, 64, recompute=0, **kw)["iteration_time_s"]
-    sel = step_time_arrays(shape, hw, 4096, 64, recompute=1, **kw)["iteration_time_s"]
-    full = step_time_arrays(shape, hw, 4096, 64, recompute=2, recompute_fraction=0.25, **kw)["iteration_time_s"]
+    none = step_time_arrays(LayoutBatch(shape, 4096, 64, recompute=0, **kw), hw)["iteration_time_s"]
+    sel = step_time_arrays(LayoutBatch(shape, 4096, 64, recompute=1, **kw), hw)["iteration_time_s"]
+    # block recompute of 8 of the 32 layers (a quarter)
+    full = step_time_arrays(LayoutBatch(shape, 4096, 64, recompute=2, recompute_block=True, recompute_num_layers=8, **kw),
+                            hw)["iteration_time_s"]
     assert np.all(sel >= none) and np.all(full >= none)
 
 
@@ -169,3 +174,54 @@ def test_timed_candidates_never_include_a_recompute_variant_when_no_recompute_fi
         assert RC_NONE not in kinds or kinds == {RC_NONE}
     assert any(kinds == {RC_NONE} for kinds in by_cfg.values())
     assert RC_SELECTIVE in set(out.recompute.tolist()) or RC_BLOCK in set(out.recompute.tolist())
+
+
+def _catalog_inputs(name: str, impl: ImplementationSpec | None = None) -> tuple[ModelSpec, SearchInputs]:
+    """A quick search with room for the model: GPUs for ~18 B/param of model state in 50 GiB each."""
+    model = ModelSpec(name=name)
+    shape = resolve_model(model)
+    n = 8
+    while count_params(shape, 4096) * 18 / n > 50 * 2**30:
+        n *= 2
+    cl = ClusterSpec(gpu="h100-sxm", num_gpus=n)
+    return model, SearchInputs(
+        shape=shape, gpu=gpu("h100-sxm"), hardware=hardware_params(cl), cluster=cl, seq_length=4096,
+        global_batch_size=2 * n, precisions=("bf16",), implementation=impl or ImplementationSpec(),
+        capacity_gib=gpu("h100-sxm").hbm_capacity_gib, quick=True,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(model_catalog()))
+def test_the_searchs_memory_is_memory_breakdowns_on_every_catalog_model(name):
+    # The search and memory_breakdown run one function (physics.memory.memory_arrays) on a batch and
+    # on one row: every timed candidate of every catalog model has the same total, not a sample.
+    model, inp = _catalog_inputs(name)
+    out = search(inp)
+    assert len(out.mbs) > 0, f"{name}: nothing fits on {inp.cluster.num_gpus} GPUs"
+    for i in range(len(out.mbs)):
+        plan = _plan(inp, model, out, i)
+        assert memory_breakdown(plan).total_gib == pytest.approx(float(out.memory_total_gib[i]), rel=1e-9, abs=0)
+
+
+def test_fsdp2_layouts_are_searched_with_their_sharded_memory():
+    model, inp = _catalog_inputs("llama3-8b", ImplementationSpec(use_torch_fsdp2=True))
+    out = search(inp)
+    assert len(out.mbs) > 0
+    layouts = [out.layouts[int(j)] for j in out.layout]
+    # FSDP2 in Megatron: no PP, no EP, no distributed optimizer (the validators' rules)
+    assert all(lo.pp == 1 and lo.ep == 1 for lo in layouts) and not out.dist_opt.any()
+    for i in range(len(out.mbs)):
+        plan = _plan(inp, model, out, i)
+        plan = plan.model_copy(update={"parallelism": plan.parallelism.model_copy(update={"overlap_param_gather": False})})
+        assert not errors(validate(plan))
+        assert memory_breakdown(plan).total_gib == pytest.approx(float(out.memory_total_gib[i]), rel=1e-9, abs=0)
+    # sharding weights and gradients too: at TP1 (DP8) a layout needs less than with the distributed optimizer
+    _, ddp_inp = _catalog_inputs("llama3-8b")
+    ddp = search(ddp_inp)
+
+    def tp1(o):
+        return {(int(o.mbs[i]), int(o.recompute[i])): float(o.memory_total_gib[i]) for i in range(len(o.mbs))
+                if o.layouts[int(o.layout[i])].tp == 1}
+
+    fsdp, dist = tp1(out), tp1(ddp)
+    assert set(fsdp) & set(dist) and all(fsdp[k] < dist[k] for k in set(fsdp) & set(dist))

@@ -24,9 +24,11 @@ from _render_cases import (
     slurm_job_env,
 )
 
+from mcore_advisor.physics.evaluate import evaluate_plan
 from mcore_advisor.physics.memory import memory_breakdown
 from mcore_advisor.physics.step_time import step_time
 from mcore_advisor.rendering import render as render_mod
+from mcore_advisor.rendering.megatron_args import as_rendered
 from mcore_advisor.rendering.render import render_launch_script
 from mcore_advisor.rendering.request import RenderRequest
 from mcore_advisor.schemas import Plan
@@ -207,6 +209,9 @@ def test_all_plan_fields_that_change_the_run_are_rendered():
         "cluster.scaleout_bandwidth_gbps", "cluster.gpu_memory_gib", "cluster.host_floor_ms_per_layer",
         "implementation.expandable_segments",
         "model.make_vocab_size_divisible_by", "parallelism.virtual_pipeline_model_parallel_size",
+        # hf_config resolves into the shape fields rendered below; hybrid models are refused (pretrain_gpt.py).
+        "model.hf_config", "model.hybrid_layer_pattern", "model.mamba_num_heads", "model.mamba_head_dim",
+        "model.mamba_state_dim", "model.mamba_num_groups",
     }
     source = Path(render_mod.__file__).with_name("megatron_args.py").read_text()
     sections = {"model": "ModelSpec", "cluster": "ClusterSpec", "training": "TrainingSpec",
@@ -214,7 +219,7 @@ def test_all_plan_fields_that_change_the_run_are_rendered():
     missing = [f"{sec}.{name}" for sec in sections for name in Plan.model_fields[sec].annotation.model_fields
                if f"{sec}.{name}" not in not_rendered and f"{sec}.{name}" not in source
                and f"impl.{name}" not in source and f"p.{name}" not in source and f"t.{name}" not in source
-               and f"shape.{name}" not in source]
+               and f"shape.{name}" not in source and f'"{name}"' not in source]
     assert missing == []
 
 
@@ -259,17 +264,47 @@ def test_expandable_segments_are_turned_on_when_the_memory_estimate_leaves_under
     assert _env(_render(), "PYTORCH_CUDA_ALLOC_CONF").value == "expandable_segments:True"  # plan asks
 
 
+def _header_figures(perf, mem) -> list[str]:
+    return [f"step time {perf.iteration_time_s:.3f} s", f"{perf.tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
+            f"{perf.model_tflops_per_gpu_causal:.1f} TFLOP/s/GPU", f"MFU {perf.mfu_bf16_causal_pct:.1f}%",
+            f"peak memory {mem.total_gib:.1f} GiB of {mem.capacity_gib:.1f} GiB"]
+
+
 def test_header_carries_version_prediction_and_invocation():
-    art = _render(invocation="mcore-advisor render plan.json --launcher torchrun")
+    art = _render(invocation="mcore-advisor render plan.json --launcher torchrun", apex_installed=True)
     perf, mem = step_time(DENSE), memory_breakdown(DENSE)
     head = art.script.split("set -euo pipefail")[0]
     assert f"mcore-advisor {render_mod.__version__}" in head
     assert "# rendered by: mcore-advisor render plan.json --launcher torchrun" in head
-    for figure in (f"step time {perf.iteration_time_s:.3f} s", f"{perf.tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
-                   f"{perf.model_tflops_per_gpu_causal:.1f} TFLOP/s/GPU", f"MFU {perf.mfu_bf16_causal_pct:.1f}%",
-                   f"peak memory {mem.total_gib:.1f} GiB of {mem.capacity_gib:.1f} GiB"):
+    for figure in _header_figures(perf, mem):
         assert figure in head
     assert json.loads(head.split("# plan JSON: ", 1)[1].splitlines()[0]) == DENSE.model_dump(mode="json", exclude_defaults=True)
+
+
+def test_header_predicts_the_plan_as_the_script_runs_it():
+    """Without Apex the script passes --no-gradient-accumulation-fusion: the header's figures are
+    evaluate_plan of that unfused plan (a separate wgrad accumulation kernel), not of the fused request."""
+    art = _render()  # no container, apex_installed unset: no Apex assumed
+    assert "--no-gradient-accumulation-fusion" in art.megatron_args
+    ran = DENSE.model_copy(update={"implementation": DENSE.implementation.model_copy(update={"gradient_accumulation_fusion": False})})
+    ev = evaluate_plan(ran)
+    head = art.script.split("set -euo pipefail")[0]
+    for figure in _header_figures(ev.performance, ev.memory):
+        assert figure in head
+    fused = step_time(DENSE).iteration_time_s
+    assert ev.performance.iteration_time_s > fused * 1.01  # the fused figure would be optimistic
+    assert f"step time {fused:.3f} s" not in head
+    assert any("gradient_accumulation_fusion off" in n for n in art.notes)
+
+
+def test_as_rendered_plan_holds_what_megatron_runs():
+    plan = DENSE.model_copy(update={"parallelism": DENSE.parallelism.model_copy(update={
+        "tensor_model_parallel_size": 1, "sequence_parallel": True, "tp_comm_overlap": True,
+        "recompute_granularity": "full", "virtual_pipeline_model_parallel_size": 4})})
+    r = as_rendered(plan, apex=True).plan.parallelism
+    assert (r.sequence_parallel, r.tp_comm_overlap, r.virtual_pipeline_model_parallel_size) == (False, False, None)
+    assert (r.recompute_method, r.recompute_num_layers) == ("uniform", 1)
+    assert as_rendered(DENSE, apex=True).plan == DENSE  # nothing to change
 
 
 # ---- rejected input ------------------------------------------------------------------------------
@@ -305,10 +340,12 @@ def test_unsafe_or_inconsistent_options_are_rejected_naming_the_field(kw, field)
 
 
 def test_extra_args_that_look_like_megatron_flags_pass_through_verbatim():
-    art = _render(extra_args=["--manual-gc", "--manual-gc-interval", "10", "--seed=42", "--rotary-base", "500000",
+    art = _render(extra_args=["--manual-gc", "--manual-gc-interval", "10", "--seed=42", "--rotary-seq-len-interpolation-factor", "2",
                               "--init-method-std", "-0.5"])
-    assert art.program_args[-8:] == ["--manual-gc", "--manual-gc-interval", "10", "--seed=42", "--rotary-base", "500000",
-                                     "--init-method-std", "-0.5"]
+    assert art.program_args[-8:] == ["--manual-gc", "--manual-gc-interval", "10", "--seed=42",
+                                     "--rotary-seq-len-interpolation-factor", "2", "--init-method-std", "-0.5"]
+    with pytest.raises(ValueError, match="--rotary-base"):  # the catalog's Llama 3 base is already rendered
+        _render(extra_args=["--rotary-base", "500000"])
 
 
 def test_multi_node_plans_need_the_slurm_launcher():

@@ -19,10 +19,12 @@ pytestmark = pytest.mark.anyio
 
 TOOLS = {
     "recommend_parallelism", "evaluate_plan", "estimate_memory", "check_mfu", "render_launch_script",
-    "run_profile_job", "get_job", "list_jobs", "cancel_job",
+    "render_chart", "run_profile_job", "get_job", "list_jobs", "cancel_job",
 }
 READ_ONLY = {"recommend_parallelism", "evaluate_plan", "estimate_memory", "check_mfu", "render_launch_script",
-             "get_job", "list_jobs"}
+             "render_chart", "get_job", "list_jobs"}
+# image content goes without an output schema: clients drop images next to structured content
+NO_OUTPUT_SCHEMA = {"render_chart"}
 HAVE_MEGATRON = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("megatron") is not None
 
 LLAMA70B_64 = {
@@ -59,12 +61,17 @@ async def _check_listing(client: Client) -> None:
     assert set(tools) == TOOLS
     for name, t in tools.items():
         assert t.input_schema["type"] == "object", name
-        assert t.output_schema is not None and t.output_schema.get("type") == "object", name
+        if name in NO_OUTPUT_SCHEMA:
+            assert t.output_schema is None, name
+        else:
+            assert t.output_schema is not None and t.output_schema.get("type") == "object", name
         assert bool(t.annotations.read_only_hint) == (name in READ_ONLY), name
     assert tools["cancel_job"].annotations.destructive_hint is True
     resources = (await client.list_resources()).resources
     uris = {str(r.uri) for r in resources}
     assert {"mcore://hardware", "mcore://models", "mcore://published-runs", "mcore://seed-claims"} <= uris
+    templates = {t.uri_template for t in (await client.list_resource_templates()).resource_templates}
+    assert "mcore://plans/{plan_id}" in templates
     for uri in uris:
         body = (await client.read_resource(uri)).contents[0].text
         assert json.loads(body), uri
@@ -104,7 +111,7 @@ async def test_implementation_choices_reach_the_tools_through_mcp(server):
         assert res.structured_content["performance"]["iteration_time_s"] > fused["performance"]["iteration_time_s"]
         saved = fused["memory"]["peak_allocated_gib"] - res.structured_content["memory"]["peak_allocated_gib"]
         assert saved * 2**30 == pytest.approx(2 * 8192 * (1280 + 1024 + 7168 + 3584))
-        rendered = await client.call_tool("render_launch_script", {"request": {"plan": plan, "launcher": "slurm"}})
+        rendered = await client.call_tool("render_launch_script", {"plan": plan, "launcher": "slurm"})
         assert rendered.is_error is False, _text(rendered)
         art = rendered.structured_content
         args = art["megatron_args"]
@@ -161,26 +168,26 @@ async def test_63_gpus_for_tp8_is_infeasible_with_the_nearest_counts(server):
 
 async def test_check_mfu_flags_the_sparse_peak_claim(server):
     async with Client(server) as client:
-        res = await client.call_tool("check_mfu", {"request": {
-            "plan": LLAMA70B_64, "reported_tflops_per_gpu": 390.0, "claimed_mfu_pct": 47.0, "diagnose": False}})
+        res = await client.call_tool("check_mfu", {
+            "plan": LLAMA70B_64, "reported_tflops_per_gpu": 390.0, "claimed_mfu_pct": 47.0})
         assert res.is_error is False, _text(res)
-        body = json.dumps(res.structured_content)
-        assert "39.4" in body  # 390 / 989.4 dense peak
+        assert "39.4" in _text(res)  # 390 / 989.4 dense peak
+        assert res.structured_content["peak_tflops_per_gpu"] == 989.4
 
 
 async def test_render_profile_target_fills_the_job_spec(server):
     async with Client(server) as client:
-        res = await client.call_tool("render_launch_script", {"request": {"plan": TINY, "target": "profile"}})
+        res = await client.call_tool("render_launch_script", {"plan": TINY, "target": "profile", "detail": "full"})
         assert res.is_error is False, _text(res)
-        out = res.structured_content
-        assert "mcore_advisor.launcher.entry.profile" in out["script"]
+        assert "mcore_advisor.launcher.entry.profile" in _text(res)  # the script is the text answer
+        out = res.structured_content["full"]
         assert json.loads(out["spec_json"])["model"]["hidden_size"] == 64
 
 
 async def test_rejected_submission_creates_no_job(server):
     async with Client(server) as client:
         bad = {**TINY, "parallelism": {"tensor_model_parallel_size": 3}}
-        res = await client.call_tool("run_profile_job", {"request": {"plan": bad}})
+        res = await client.call_tool("run_profile_job", {"plan": bad})
         assert res.is_error is True
         assert "tensor_model_parallel_size" in _text(res)
         listed = (await client.call_tool("list_jobs", {})).structured_content
@@ -189,7 +196,7 @@ async def test_rejected_submission_creates_no_job(server):
 
 async def test_dry_run_shows_the_command_and_creates_no_job(server):
     async with Client(server) as client:
-        res = await client.call_tool("run_profile_job", {"request": {"plan": TINY, "dry_run": True}})
+        res = await client.call_tool("run_profile_job", {"plan": TINY, "dry_run": True})
         assert res.is_error is False, _text(res)
         assert "mcore_advisor.launcher.entry.profile" in json.dumps(res.structured_content)
         assert (await client.call_tool("list_jobs", {})).structured_content["jobs"] == []
@@ -225,7 +232,7 @@ async def test_stdio_lists_tools_reads_resources_and_maps_errors(tmp_path):
 async def _poll(client: Client, job_id: str, timeout_s: float = 240) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
-        st = (await client.call_tool("get_job", {"job_id": job_id})).structured_content
+        st = (await client.call_tool("get_job", {"job_id": job_id, "detail": "full"})).structured_content["full"]
         if st["state"] not in ("PENDING", "RUNNING") or time.monotonic() > deadline:
             return st
         time.sleep(0.5)
@@ -235,7 +242,7 @@ async def _poll(client: Client, job_id: str, timeout_s: float = 240) -> dict:
 @pytest.mark.skipif(not HAVE_MEGATRON, reason="needs the job extra (torch + megatron-core)")
 async def test_cpu_profile_job_completes_and_a_crash_fails(tmp_path):
     async with Client(_stdio(tmp_path)) as client:
-        sub = (await client.call_tool("run_profile_job", {"request": {"plan": TINY, "measure_steps": 3}})).structured_content
+        sub = (await client.call_tool("run_profile_job", {"plan": TINY, "measure_steps": 3})).structured_content
         st = await _poll(client, sub["job_id"])
         assert st["state"] == "COMPLETED", st
         assert st["result"]["tokens_per_s_per_gpu"] > 0
@@ -243,7 +250,7 @@ async def test_cpu_profile_job_completes_and_a_crash_fails(tmp_path):
         # a valid plan for an H100 that this CPU machine cannot run: FP8 needs Transformer Engine
         crash = {**TINY, "training": {**TINY["training"], "precision": "fp8"},
                  "implementation": {"transformer_impl": "transformer_engine"}}
-        res = await client.call_tool("run_profile_job", {"request": {"plan": crash}})
+        res = await client.call_tool("run_profile_job", {"plan": crash})
         if not res.is_error:  # rejected up front is fine too; if accepted it must end FAILED, not hang
             st = await _poll(client, res.structured_content["job_id"])
             assert st["state"] == "FAILED"
@@ -254,7 +261,7 @@ async def test_cpu_profile_job_completes_and_a_crash_fails(tmp_path):
 async def test_server_restart_mid_job_keeps_the_job(tmp_path):
     async with Client(_stdio(tmp_path)) as client:
         req = {"plan": {**TINY, "training": {**TINY["training"], "global_batch_size": 8}}, "measure_steps": 30}
-        sub = (await client.call_tool("run_profile_job", {"request": req})).structured_content
+        sub = (await client.call_tool("run_profile_job", req)).structured_content
     # the first server process is gone now; a new one must find the job and see it finish
     async with Client(_stdio(tmp_path)) as client:
         listed = (await client.call_tool("list_jobs", {})).structured_content["jobs"]

@@ -255,3 +255,65 @@ def test_seq_length_beyond_the_models_context_is_a_warning(kit):
     assert f.severity == "warning"
     assert "(16384)" in f.message and "(8192)" in f.message
     assert "8192" in f.fix
+
+
+# Hybrid Mamba models (Megatron HybridModel / MambaMixer).
+def _hybrid(**kw):
+    base = dict(hybrid_layer_pattern="M-M*-M-", hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+                vocab_size=32000, mamba_num_heads=128, mamba_head_dim=64, mamba_num_groups=8)
+    base.update(kw)
+    return base
+
+
+def _one_gpu_each(kit, model, **par):
+    return kit.plan(model=model, cluster={"num_gpus": par.pop("num_gpus", 8)},
+                    parallelism={"pipeline_model_parallel_size": 1, **par}, training={"seq_length": 4096})
+
+
+def test_nemotron_h_on_tp8_passes_every_mamba_rule(kit):
+    p = _one_gpu_each(kit, {"name": "nemotron-h-8b"}, tensor_model_parallel_size=8)
+    assert not [c for c in kit.codes(p) if "mamba" in c or "hybrid" in c]
+
+
+def test_mamba_groups_not_divisible_by_tp(kit):
+    p = _one_gpu_each(kit, _hybrid(mamba_num_groups=2), tensor_model_parallel_size=4)
+    f = kit.one(p, "mamba_heads_not_divisible_by_tp")
+    assert f.severity == "error" and f.fields[0] == TP
+    assert f.message.startswith("mamba_num_heads (128) and mamba_num_groups (2) must both be divisible by "
+                                "tensor_model_parallel_size (4)")
+    assert f.fix.endswith("1 or 2")  # TP must also divide the 2 groups
+
+
+def test_mamba_heads_not_divisible_by_groups(kit):
+    p = _one_gpu_each(kit, _hybrid(mamba_num_heads=100), tensor_model_parallel_size=1)
+    f = kit.one(p, "mamba_heads_not_divisible_by_groups")
+    assert f.message == "mamba_num_heads (100) must be evenly divisible by mamba_num_groups (8)"
+    assert f.fix == "set model.mamba_num_groups to 4, 5 or 10"
+
+
+def test_mamba_heads_of_a_tp_rank_must_split_over_cp(kit):
+    # TP2: 64 heads and 4 groups per rank; CP3 splits neither.
+    p = kit.plan(model={"name": "nemotron-h-8b"}, cluster={"num_gpus": 48},
+                 parallelism={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+                              "context_parallel_size": 3},
+                 training={"seq_length": 6144, "global_batch_size": 64})
+    f = kit.one(p, "mamba_heads_not_divisible_by_tp_cp")
+    assert f.severity == "error" and f.fields[0] == "parallelism.context_parallel_size"
+    assert f.fix == "set parallelism.context_parallel_size to 2, 4 or 8"
+
+
+def test_hybrid_models_do_not_interleave_without_pattern_segments(kit):
+    p = kit.plan(model={"name": "nemotron-h-8b"}, cluster={"num_gpus": 16},
+                 parallelism={"tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 2,
+                              "virtual_pipeline_model_parallel_size": 2})
+    f = kit.one(p, "hybrid_interleaved_pipeline")
+    assert f.fix == "unset parallelism.virtual_pipeline_model_parallel_size"
+
+
+def test_fp8_needs_a_16_aligned_mamba_in_proj(kit):
+    # 2 * 6400 + 2 * 4 * 128 + 100 = 13924, not a multiple of 16.
+    model = _hybrid(mamba_num_heads=100, mamba_num_groups=4)
+    p = kit.plan(model=model, cluster={"num_gpus": 8}, parallelism={"pipeline_model_parallel_size": 1,
+                 "tensor_model_parallel_size": 4}, training={"precision": "fp8"})
+    assert "13924" in kit.one(p, "mamba_fp8_in_proj_width").message
+    assert "mamba_fp8_in_proj_width" not in kit.codes(_one_gpu_each(kit, _hybrid(), tensor_model_parallel_size=4))

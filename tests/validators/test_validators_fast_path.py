@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
-from mcore_advisor.schemas import ModelSpec, Plan
-from mcore_advisor.validators import errors, layout_errors, validate
+from mcore_advisor.schemas import ClusterSpec, ModelSpec, Plan, TrainingSpec
+from mcore_advisor.validators import Ctx, _ctx_from_plan, errors, layout_errors, validate
+
+# Plan field -> Ctx field where the names differ (the search fills a Ctx from plain values).
+_RENAMED = {
+    "global_batch_size": "gbs", "micro_batch_size": "mbs", "tensor_model_parallel_size": "tp",
+    "pipeline_model_parallel_size": "pp", "virtual_pipeline_model_parallel_size": "vp_raw",
+    "context_parallel_size": "cp", "expert_model_parallel_size": "ep", "expert_tensor_parallel_size": "etp_raw",
+    "sequence_parallel": "sp", "nvlink_bandwidth_gbps": "nvlink_gbps", "scaleout_bandwidth_gbps": "scaleout_gbps",
+    "gpu_memory_gib": "hbm_gib",
+}
+
+
+def _ctx(model: dict, cluster: dict, training: dict, parallelism: dict, implementation: dict, **extra) -> Ctx:
+    values = {_RENAMED.get(k, k): v for part in (cluster, training, parallelism, implementation) for k, v in part.items()}
+    values.pop("gpu", None)
+    return Ctx(resolve_model(ModelSpec(**model)), gpu(cluster.get("gpu", "h100-sxm")), **values, **extra)
 
 
 def _both(model: dict, cluster: dict, training: dict, parallelism: dict, implementation: dict):
@@ -24,31 +40,7 @@ def _both(model: dict, cluster: dict, training: dict, parallelism: dict, impleme
         }
     )
     full = [f.code for f in errors(validate(plan))]
-    p = dict(parallelism)
-    fast = layout_errors(
-        resolve_model(ModelSpec(**model)),
-        gpu(cluster.get("gpu", "h100-sxm")),
-        cluster["num_gpus"],
-        cluster.get("gpus_per_node"),
-        training["seq_length"],
-        training["global_batch_size"],
-        training["micro_batch_size"],
-        p.pop("tensor_model_parallel_size"),
-        p.pop("pipeline_model_parallel_size"),
-        vp=p.pop("virtual_pipeline_model_parallel_size", None),
-        cp=p.pop("context_parallel_size", 1),
-        ep=p.pop("expert_model_parallel_size", 1),
-        etp=p.pop("expert_tensor_parallel_size", None),
-        sp=p.pop("sequence_parallel", False),
-        **{
-            k: v
-            for k, v in training.items()
-            if k not in ("seq_length", "global_batch_size", "micro_batch_size")
-        },
-        **p,
-        **implementation,
-    )
-    return full, fast
+    return full, layout_errors(_ctx(model, cluster, training, parallelism, implementation))
 
 
 MODELS = {
@@ -149,16 +141,26 @@ def test_fast_path_matches_validate_on_random_option_mixes(kit):
 
 
 def test_fast_path_rejects_unknown_options():
-    shape = resolve_model(ModelSpec(name="llama3-8b"))
     with pytest.raises(TypeError, match="recompute_granularty"):
-        layout_errors(shape, gpu("h100-sxm"), 8, None, 4096, 128, 1, 8, 1, recompute_granularty="full")
+        _ctx({"name": "llama3-8b"}, {"num_gpus": 8}, {"seq_length": 4096, "global_batch_size": 128}, {}, {},
+             recompute_granularty="full")
 
 
 def test_fast_path_on_a_valid_layout_is_empty_and_on_a_bad_one_names_the_rules():
-    shape = resolve_model(ModelSpec(name="llama3-70b"))
-    h100 = gpu("h100-sxm")
-    assert layout_errors(shape, h100, 64, None, 8192, 128, 1, 8, 2, sp=True) == []
-    assert layout_errors(shape, h100, 63, None, 8192, 128, 1, 8, 1) == [
+    base = Ctx(resolve_model(ModelSpec(name="llama3-70b")), gpu("h100-sxm"), num_gpus=64, seq_length=8192, gbs=128,
+               tp=8, pp=2, sp=True)
+    assert layout_errors(base) == []
+    # a neighbouring layout, as the search derives it: every derived field follows the change
+    assert layout_errors(base.with_layout(num_gpus=63, pp=1, sp=False)) == [
         "world_not_divisible_by_model_parallel",
         "num_gpus_not_multiple_of_node",
     ]
+
+
+def test_a_ctx_built_from_values_takes_the_plans_defaults_and_the_gpus_cluster_values():
+    c = Ctx(resolve_model(ModelSpec(name="llama3-8b")), gpu("h100-sxm"), num_gpus=16, seq_length=4096, gbs=128)
+    plan_c = _ctx_from_plan(Plan(model=ModelSpec(name="llama3-8b"), cluster=ClusterSpec(num_gpus=16),
+                                 training=TrainingSpec(seq_length=4096, global_batch_size=128)))
+    # the plan path adds what only the catalog knows (the model's trained context, whether it sets kv_channels)
+    assert replace(c, seq_length_max=plan_c.seq_length_max, kv_channels_given=plan_c.kv_channels_given) == plan_c
+    assert (c.gpus_per_node, c.dp, c.num_microbatches, c.use_distributed_optimizer) == (8, 16, 8, True)

@@ -27,7 +27,7 @@ from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.evaluate import Evaluation, evaluate_plan
 from mcore_advisor.physics.flops import flops_per_token_breakdown
 from mcore_advisor.physics.step_time import PerfEstimate, pipeline_bubble_fraction
-from mcore_advisor.planning.plan_changes import candidate_changes
+from mcore_advisor.planning.plan_changes import memory_fix_candidates, plan_changes
 from mcore_advisor.schemas import Finding, ModelShape, Plan, parallel_dims
 
 _RESULT = ConfigDict(frozen=True)
@@ -123,7 +123,11 @@ def _evaluate_candidates(plan: Plan, shape: ModelShape, purpose: Literal["speed"
     out: list[FixSuggestion] = []
     rejected = 0
     seen: set[str] = set()
-    for desc, fields, cand, caveat in candidate_changes(plan, shape, purpose):
+    # One generator for every tool (planning/plan_changes): memory fixes are exactly estimate_memory's.
+    changes = (plan_changes(plan, "speed") if purpose == "speed"
+               else [f.change for f in memory_fix_candidates(plan, base.memory)])
+    for ch in changes:
+        desc, fields, cand, caveat = ch.description, ch.fields, ch.plan, ch.note
         key = cand.model_dump_json()
         if key in seen:
             continue
@@ -341,4 +345,4 @@ def _with_plan(base: OomDiagnosis, plan: Plan, ev: OomEvent | None) -> OomDiagno
     return base.model_copy(update={"estimate": est, "estimate_vs_message": cmp, "most_loaded_rank": rank_txt, "fixes": fixes})
 
 
-__all__ = ["GapComponent", "FixSuggestion", "LowMfuDiagnosis", "OomDiagnosis", "candidate_changes", "low_mfu", "oom"]
+__all__ = ["GapComponent", "FixSuggestion", "LowMfuDiagnosis", "OomDiagnosis", "low_mfu", "oom"]

@@ -199,6 +199,33 @@ class NcclTimeout(BaseModel):
     line: str
 
 
+class NcclWorkStatus(BaseModel):
+    """A watchdog's status line for one rank's process group: which work failed, what it had queued."""
+
+    model_config = _RESULT
+
+    rank: int | None
+    process_group: str | None = Field(None, description="'PG ID n' and, when torch printed it, the group's name (Megatron names its groups, e.g. TENSOR_MODEL_PARALLEL_GROUP).")
+    failed_seq: int | None = None
+    last_enqueued: int | None = None
+    last_completed: int | None = None
+
+
+class CrashInfo(BaseModel):
+    """What a failed run printed on the way down: the exception, argparse's complaint, torchrun's root cause."""
+
+    model_config = _RESULT
+
+    exception_type: str | None = Field(None, description="The first exception raised by the training code (torchrun's ChildFailedError wrapper skipped).")
+    exception_message: str | None = None
+    raised_in: str | None = Field(None, description="The innermost traceback frame before that exception: 'file:line in function'.")
+    argparse_error: str | None = Field(None, description="'pretrain_gpt.py: error: ...' from the argument parser.")
+    failed_rank: int | None = Field(None, description="torchrun's 'Root Cause (first observed failure)' rank.")
+    exitcode: int | None = None
+    signal: str | None = Field(None, description="e.g. 'Signal 6 (SIGABRT)', 'Signal 9 (SIGKILL)'.")
+    host: str | None = None
+
+
 class ParsedLog(BaseModel):
     """What a training log says, bounded in size whatever the input size."""
 
@@ -227,6 +254,11 @@ class ParsedLog(BaseModel):
     num_nccl_timeouts: int = 0
     nan_messages: list[str] = Field(default_factory=list, description="'found NaN/Inf in ...' messages.")
     error_lines: dict[str, str] = Field(default_factory=dict, description="First line of each other failure kind seen (nccl_error, host_oom_kill, traceback, ...).")
+    nccl_work_status: list[NcclWorkStatus] = Field(default_factory=list, description="Watchdog status lines (process group, failed work, last enqueued/completed).")
+    crash: CrashInfo | None = Field(None, description="Exception, argument error and launcher exit information, when the run failed.")
+    config_values: dict[str, str] = Field(default_factory=dict, description="Megatron-Bridge / NeMo config dumps as 'section.key' -> raw value (the Bridge 'Configuration Summary', NeMo-Run 'model=... trainer=...' reprs, NeMo YAML configs).")
+    config_model_names: list[str] = Field(default_factory=list, description="Model names a config dump gives (config or provider class names, tokenizer model).")
+    world_size: int | None = Field(None, description="From Megatron's 'using world size: N, ...' line.")
     notes: list[str] = Field(default_factory=list, description="What was cut, skipped or not found.")
 
     @property
@@ -258,6 +290,24 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 _PREFIX = re.compile(
     r"^\s*(?:\[(?:rank|default)(?P<r1>\d+)\]:|(?P<r2>\d{1,6}):\s|\[\d+,(?P<r3>\d+)\]<std(?:out|err)>:)"
 )
+# Logging prefixes wrappers put before each line (tried after ANSI codes are gone):
+#   colorlog / rich / cluster wrappers  [2026-11-26 03:10:01 INFO]  or  [2026-11-26 03:10:01,123][name][INFO] -
+#   Python logging defaults             2026-11-26 03:10:01,123 - INFO -   or  INFO:megatron.core.x:
+#   NeMo's logger                       [NeMo I 2026-11-26 03:10:01 nemo_logging:393]
+#   c10 / glog (PyTorch C++)            [E1121 10:15:42.123456789 ProcessGroupNCCL.cpp:616]  or  E1121 10:16:01.512000 140210 api.py:869]
+_TS = r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"
+_LEVEL = r"(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)"
+_LOG_PREFIX = re.compile(
+    r"^\s*(?:"
+    r"\[" + _TS + r"\s*(?:\|\s*)?" + _LEVEL + r"\s*\]\s*(?:-\s+)?"
+    r"|\[" + _TS + r"\](?:\[[^\]]{1,80}\])*\[" + _LEVEL + r"\]\s*(?:-\s+)?"
+    r"|" + _TS + r"(?:\s*[-|]\s*[\w.]+)?\s*[-|]?\s*" + _LEVEL + r"\s*(?:[-|:]\s*)?"
+    r"|" + _LEVEL + r":[\w.]+:"
+    r"|\[NeMo [DIWEC] " + _TS + r"[^\]]*\]\s*"
+    r"|\[?[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+ (?:\d+ )?[\w./-]+:\d+\]\s*"
+    r")"
+)
+_BARE_TIMESTAMP = re.compile(r"^\s*\[" + _TS + r"\]\s*")
 _NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|NaN|inf|Inf)"
 _NUM_RE = re.compile(_NUM)
 
@@ -313,6 +363,30 @@ _NCCL_TIMEOUT = re.compile(
 _NCCL_FIELD = re.compile(r"(SeqNum|OpType|NumelIn|NumelOut|Timeout\(ms\))=([\w.]+)")
 _RANK_IN_TEXT = re.compile(r"\[(?:PG ID \d+ PG GUID [^\]]*?)?\s*Rank (?P<rank>\d+)\s*\]")
 _NAN_MSG = re.compile(r"found (?:NaN|Inf) in [\w ]+")
+# ProcessGroupNCCL status lines: torch <= 2.5 "Exception (either an error or timeout) detected by watchdog at work:
+# N, last enqueued NCCL work: E, last completed NCCL work: C."; later "failure detected by watchdog at work
+# sequence id: N PG status: last enqueued work: E, last completed work: C".
+_NCCL_STATUS = re.compile(
+    r"\[PG (?:ID )?(?P<pg>\d+)(?: PG GUID (?P<guid>[^\]\s]+))? Rank (?P<rank>\d+)\]\s+"
+    r"(?:Exception \(either an error or timeout\) detected by watchdog at work: (?P<seq>\d+), last enqueued NCCL work: "
+    r"(?P<enq>\d+), last completed NCCL work: (?P<done>\d+)"
+    r"|failure detected by watchdog at work sequence id: (?P<seq2>\d+) PG status: last enqueued work: (?P<enq2>\d+), "
+    r"last completed work: (?P<done2>\d+))"
+)
+_EXCEPTION = re.compile(r"^(?P<t>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Failure))(?::\s*(?P<m>.*))?$")
+_WRAPPER_EXCEPTIONS = ("ChildFailedError",)
+_FRAME = re.compile(r'^File "(?P<f>[^"]+)", line (?P<l>\d+), in (?P<fn>\S+)')
+_ARGPARSE = re.compile(r"^(?P<prog>\S+\.py): error: (?P<m>.+)$")
+_ROOT_FIELD = re.compile(r"^(?P<k>rank|exitcode|host|traceback)\s*:\s*(?P<v>.+)$")
+_EXITCODE_LINE = re.compile(r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<rank>\d+)")
+_WORLD = re.compile(r"using world size: (?P<n>\d+)")
+# Megatron-Bridge ConfigContainer.log_non_default_values: "  key: value  (Mcore default: d)" under "[model] ..." /
+# "[train]:" headers; NeMo's YAML config: "key: value" under top-level "model:" / "trainer:".
+_CFG_KV = re.compile(r"^(?P<k>[A-Za-z_]\w*): (?P<v>.*?)(?:\s{2}\(Mcore default: .*\))?$")
+_CFG_SECTION = re.compile(r"^\[(?P<s>\w+)\](?: Non-default values.*)?:$|^(?P<y>[A-Za-z_]\w*):$")
+_INLINE_KV = re.compile(r"\b(?P<k>[A-Za-z_]\w*)=(?P<v>'[^']*'|\"[^\"]*\"|[^,()\[\]\s]+)")
+_CONFIG_CLASS = re.compile(r"\b(?:Config|Partial)\[(?P<c>\w+)\]|\b(?P<p>\w+(?:ModelProvider|Provider)\w*)\(")
+MAX_CONFIG_VALUES = 2000
 _ERRORS = (
     ("nccl_error", re.compile(r"NCCL error|ncclUnhandledCudaError|ncclSystemError|ncclInternalError|ncclRemoteError")),
     ("cuda_error", re.compile(r"CUDA error: (?!out of memory)")),
@@ -372,14 +446,25 @@ def _size_gib(m: re.Match[str], name: str) -> float | None:
 
 
 def clean_line(line: str) -> tuple[str, int | None]:
-    """Strip ANSI codes, a launcher rank prefix and surrounding whitespace; return (text, rank)."""
+    """Strip ANSI codes, launcher rank labels and logging prefixes (stacked in any order, as wrappers
+    nest them: ``0: [rank0]: [2026-11-26 03:10:01 INFO] ...``) and surrounding whitespace; return
+    (text, rank). Megatron's own ``[date time] iteration ...`` keeps its timestamp (it is the record's)."""
     if "\x1b" in line:
         line = _ANSI.sub("", line)
     rank = None
-    m = _PREFIX.match(line)
-    if m:
-        r = m.group("r1") or m.group("r2") or m.group("r3")
-        rank = int(r) if r is not None else None
+    for _ in range(6):
+        m = _PREFIX.match(line)
+        if m:
+            r = m.group("r1") or m.group("r2") or m.group("r3")
+            if r is not None and rank is None:
+                rank = int(r)
+            line = line[m.end():]
+            continue
+        m = _LOG_PREFIX.match(line)
+        if m is None:
+            m = _BARE_TIMESTAMP.match(line)
+            if m is None or line[m.end():].lstrip().startswith("iteration"):
+                break
         line = line[m.end():]
     return line.strip(), rank
 
@@ -533,9 +618,11 @@ def parse_nccl_timeout(text: str, rank: int | None = None) -> NcclTimeout | None
     if not m:
         return None
     f = dict(_NCCL_FIELD.findall(m.group("body")))
-    r = _RANK_IN_TEXT.search(text[: m.start()])
-    if r:
-        rank = int(r.group("rank"))
+    # The global rank is the '[Rank N]' right before 'Watchdog caught'; an earlier '[PG ID .. Rank n]' (a
+    # DistBackendError's what() line) is the rank within that process group.
+    found = list(_RANK_IN_TEXT.finditer(text[: m.start()]))
+    if found:
+        rank = int(found[-1].group("rank"))
 
     def as_int(k: str) -> int | None:
         v = f.get(k)
@@ -618,6 +705,16 @@ class _Scanner:
         self.lines = 0
         self.overlong = 0
         self._bridge_tflops: float | None = None
+        self.nccl_status: list[NcclWorkStatus] = []
+        self.crash: dict = {}
+        self._last_frame: str | None = None
+        self._root_cause = False
+        self.world: int | None = None
+        self.config: dict[str, str] = {}
+        self.config_names: list[str] = []
+        self._cfg_mode: str | None = None
+        self._cfg_section = ""
+        self._cfg_misses = 0
 
     def feed(self, raw: str) -> None:
         for seg in raw.split("\r") if "\r" in raw else (raw,):
@@ -634,6 +731,8 @@ class _Scanner:
         if self._oom_pending:
             self._continue_oom(line)
         if self._args_open and self._arg_line(line):
+            return
+        if self._cfg_mode is not None and self._config_line(line):
             return
         if "iteration" in line:
             if "|" in line:
@@ -708,9 +807,128 @@ class _Scanner:
                 self.nan_msgs.append(line[:300])
             self.formats.add("megatron_nan_check")
             return
+        if self._failure_line(line, rank) or self._config_start(line):
+            return
         for kind, rx in _ERRORS:
             if kind not in self.errors and rx.search(line):
                 self.errors[kind] = line[:300]
+
+    # -- failures: watchdog status, exceptions, argparse, torchrun's root cause ------------------
+
+    def _failure_line(self, line: str, rank: int | None) -> bool:
+        if "detected by watchdog" in line:
+            m = _NCCL_STATUS.search(line)
+            if m and len(self.nccl_status) < MAX_EVENTS:
+                guid = m.group("guid")
+                name = guid.split("(", 1)[1].rstrip(")") if guid and "(" in guid else None
+                self.nccl_status.append(NcclWorkStatus(
+                    rank=int(m.group("rank")), process_group=f"PG ID {m.group('pg')}" + (f" ({name})" if name else ""),
+                    failed_seq=int(m.group("seq") or m.group("seq2")), last_enqueued=int(m.group("enq") or m.group("enq2")),
+                    last_completed=int(m.group("done") or m.group("done2"))))
+            return bool(m)
+        if line.startswith('File "'):
+            m = _FRAME.match(line)
+            if m:
+                self._last_frame = f"{m.group('f')}:{m.group('l')} in {m.group('fn')}"
+            return bool(m)
+        if ("Error" in line or "Exception" in line or "Interrupt" in line) and "exception_type" not in self.crash:
+            m = _EXCEPTION.match(line)
+            if m and not m.group("t").endswith(_WRAPPER_EXCEPTIONS):
+                self.crash.update(exception_type=m.group("t"), exception_message=(m.group("m") or "")[:500],
+                                  raised_in=self._last_frame)
+                self.formats.add("python_exception")
+                return False  # the error kinds below still classify it
+        if ": error: " in line and "argparse_error" not in self.crash:
+            m = _ARGPARSE.match(line)
+            if m:
+                self.crash["argparse_error"] = line[:500]
+                self.formats.add("argparse_error")
+                return True
+        if "Root Cause" in line:
+            self._root_cause = True
+            return True
+        if self._root_cause:
+            m = _ROOT_FIELD.match(line)
+            if m:
+                self._root_field(m.group("k"), m.group("v"))
+                return True
+        if "failed (exitcode:" in line:
+            m = _EXITCODE_LINE.search(line)
+            if m and "exitcode" not in self.crash:
+                self.crash.update(exitcode=int(m.group("code")), failed_rank=self.crash.get("failed_rank", int(m.group("rank"))))
+        if "using world size:" in line:
+            m = _WORLD.search(line)
+            if m:
+                self.world = int(m.group("n"))
+                return True
+        return False
+
+    def _root_field(self, key: str, value: str) -> None:
+        first = value.split()[0] if value.split() else ""
+        if key == "rank" and first.lstrip("-").isdigit():
+            self.crash["failed_rank"] = int(first)
+        elif key == "exitcode" and first.lstrip("-").isdigit():
+            self.crash["exitcode"] = int(first)
+        elif key == "host":
+            self.crash["host"] = first[:100]
+        elif key == "traceback" and value.startswith("Signal"):
+            self.crash["signal"] = value.split(" received")[0][:60]
+
+    # -- config dumps: Megatron-Bridge, NeMo-Run, NeMo YAML ----------------------------------------
+
+    def _config_start(self, line: str) -> bool:
+        if "Configuration Summary" in line and "Megatron Core" in line:
+            self._open_config("bridge")
+            return True
+        if line in ("trainer:", "model:", "exp_manager:"):
+            self._open_config("yaml")
+            self._cfg_section = line[:-1]
+            return True
+        if "Config[" in line or "Provider(" in line or ("=" in line and ("model=" in line or "trainer=" in line)):
+            self._inline_config(line)
+        return False
+
+    def _open_config(self, mode: str) -> None:
+        self._cfg_mode, self._cfg_section, self._cfg_misses = mode, "", 0
+        self.formats.add("bridge_config_summary" if mode == "bridge" else "nemo_yaml_config")
+
+    def _put_config(self, key: str, value: str) -> None:
+        if key in self.config or len(self.config) < MAX_CONFIG_VALUES:
+            self.config[key] = value.strip().strip("'\"")[:200]
+
+    def _config_line(self, line: str) -> bool:
+        """One line inside a config dump; False closes the dump and hands the line back."""
+        if set(line) <= {"=", "-"}:
+            if line.startswith("=") and self._cfg_mode == "bridge" and self.config:
+                self._cfg_mode = None
+            return True
+        sec = _CFG_SECTION.match(line)
+        if sec:
+            self._cfg_section = sec.group("s") or sec.group("y")
+            self._cfg_misses = 0
+            return True
+        m = _CFG_KV.match(line)
+        if m:
+            self._cfg_misses = 0
+            self._put_config(f"{self._cfg_section}.{m.group('k')}" if self._cfg_section else m.group("k"), m.group("v"))
+            return True
+        if line.startswith("Other Configuration Values"):
+            return True
+        self._cfg_misses += 1
+        if self._cfg_misses >= 20:
+            self._cfg_mode = None
+        return False
+
+    def _inline_config(self, line: str) -> None:
+        pairs = _INLINE_KV.findall(line)
+        if pairs:
+            self.formats.add("nemo_run_config")
+        for k, v in pairs:
+            self._put_config(f"inline.{k}", v)
+        for m in _CONFIG_CLASS.finditer(line):
+            name = m.group("c") or m.group("p")
+            if name and name not in self.config_names and len(self.config_names) < 16:
+                self.config_names.append(name)
 
     def flush(self) -> None:
         """End of a scan window: close what a cut could leave open."""
@@ -910,6 +1128,11 @@ def parse_log(
         num_nccl_timeouts=sc.num_timeouts,
         nan_messages=sc.nan_msgs,
         error_lines=sc.errors,
+        nccl_work_status=sc.nccl_status,
+        crash=CrashInfo(**sc.crash) if sc.crash else None,
+        config_values=sc.config,
+        config_model_names=sc.config_names + ([sc.config["tokenizer.tokenizer_model"]] if "tokenizer.tokenizer_model" in sc.config else []),
+        world_size=sc.world,
         notes=notes,
     )
 
@@ -945,6 +1168,56 @@ def _arg_bool(args: dict[str, str], key: str) -> bool | None:
     if v in ("False", "false", "0"):
         return False
     return None
+
+
+def _arg_float(args: dict[str, str], key: str) -> float | None:
+    """A float, or the first number of a list Megatron printed (nargs='+' arguments such as
+    moe_aux_loss_coeff print as '[0.01]')."""
+    v = _arg(args, key)
+    if v is None:
+        return None
+    return _first_number(v.strip("[]()"))
+
+
+def _arg_word(args: dict[str, str], key: str) -> str | None:
+    """A word, or the first word of a printed list ('['seq_aux_loss']' -> 'seq_aux_loss')."""
+    v = _arg(args, key)
+    if v is None:
+        return None
+    m = re.search(r"[A-Za-z_]\w*", v)
+    return m.group(0) if m else None
+
+
+def _model_settings(args: dict[str, str]) -> dict:
+    """ModelSpec settings (RoPE, norm epsilon, q/k norms, activation, router) from the dump."""
+    out: dict = {}
+    for key, ours in (("rotary_base", "rotary_base"), ("moe_router_num_groups", "moe_router_num_groups"),
+                      ("moe_router_group_topk", "moe_router_group_topk")):
+        v = _arg_int(args, key)
+        if v is not None:
+            out[ours] = v
+    # --norm-epsilon stores into layernorm_epsilon (arguments.py).
+    for key, ours in (("rotary_percent", "rotary_percent"), ("layernorm_epsilon", "norm_epsilon"),
+                      ("norm_epsilon", "norm_epsilon"), ("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor"),
+                      ("moe_aux_loss_coeff", "moe_aux_loss_coeff")):
+        v = _arg_float(args, key)
+        if v is not None and math.isfinite(v) and ours not in out:
+            out[ours] = v
+    if _arg_bool(args, "use_rope_scaling"):
+        factor = _arg_float(args, "rope_scaling_factor")
+        if factor:
+            out.update(rope_scaling_factor=factor, rope_scaling_type="llama3")
+    for key in ("qk_layernorm", "squared_relu", "moe_router_enable_expert_bias"):
+        v = _arg_bool(args, key)
+        if v is not None:
+            out[key] = v
+    score = _arg_word(args, "moe_router_score_function")
+    if score in ("softmax", "sigmoid"):
+        out["moe_router_score_function"] = score
+    lb = _arg_word(args, "moe_router_load_balancing_type")
+    if lb in ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"):
+        out["moe_router_load_balancing_type"] = lb
+    return out
 
 
 def _enum_value(v: str | None) -> str | None:
@@ -998,6 +1271,9 @@ def plan_from_megatron_args(
     norm = _arg(args, "normalization")
     if norm in ("LayerNorm", "RMSNorm"):
         model["normalization"] = norm
+    model.update(_model_settings(args))
+    if model.get("multi_latent_attention"):
+        model.pop("qk_layernorm", None)  # under MLA it switches the latent norms, which the shape always counts
     pos = _arg(args, "position_embedding_type")
     if pos in ("rope", "learned_absolute", "none"):
         model["position_embedding_type"] = pos
@@ -1036,6 +1312,11 @@ def plan_from_megatron_args(
             training["fp8_param_gather"] = True
     elif _arg_bool(args, "fp16"):
         notes.append("the run used fp16; modelled as bf16 (same tensor-core peak)")
+    # Megatron's default is 0.1 each; a dump always prints them, so a run left at the default is described as it ran.
+    for k in ("attention_dropout", "hidden_dropout"):
+        v = _arg_float(args, k)
+        if v is not None and 0 <= v < 1:
+            training[k] = v
 
     par: dict = {}
     for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",

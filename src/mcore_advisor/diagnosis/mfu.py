@@ -13,12 +13,12 @@ Pure: the log arrives as text (diagnosis/logparse.py); no I/O.
 
 from __future__ import annotations
 
-import re
 import statistics
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mcore_advisor.diagnosis.config_dump import plan_from_config_dump
 from mcore_advisor.diagnosis.diagnose import (
     FixSuggestion,
     GapComponent,
@@ -27,6 +27,7 @@ from mcore_advisor.diagnosis.diagnose import (
     low_mfu,
     oom,
 )
+from mcore_advisor.diagnosis.failures import FailureDiagnosis, crash, nccl_timeout
 from mcore_advisor.diagnosis.logparse import ParsedLog, parse_log, plan_from_megatron_args
 from mcore_advisor.knowledge.hardware import GpuSpec, gpu
 from mcore_advisor.knowledge.models import catalog_model, resolve_model
@@ -35,6 +36,7 @@ from mcore_advisor.physics.flops import (
     flops_per_token_breakdown,
     hardware_flops_per_iteration,
 )
+from mcore_advisor.planning.recommend import row_is_moe
 from mcore_advisor.schemas import Finding, ModelShape, Plan
 
 _INPUT = ConfigDict(extra="forbid", frozen=True)
@@ -56,14 +58,19 @@ class MfuRequest(BaseModel):
 
     plan: Plan | None = Field(None, description="The run's plan. Optional when log_text holds Megatron's arguments dump.")
     gpu: str | None = Field(None, description="GPU catalog key (e.g. 'h100-sxm', 'h200') when the plan comes from the log's arguments dump, which does not name the GPU; default h100-sxm. Ignored when `plan` is given.")
+    model: str | None = Field(None, description="Catalog model name (e.g. 'llama3-8b') for a log without Megatron's arguments dump (NeMo, Megatron-Bridge): with num_gpus it is all a plan needs; the log's config dump supplies the rest where it has one. Ignored when `plan` is given.")
+    num_gpus: int | None = Field(None, ge=1, le=1_048_576, description="The job's GPU count, for a log that does not print it. Ignored when `plan` is given.")
+    seq_length: int | None = Field(None, ge=1, le=4_194_304, description="Tokens per sample, for a log that does not print it (default: the model's context, with a note). Ignored when `plan` is given.")
     log_text: str | None = Field(None, description="Pasted training log (Megatron-LM, Megatron-Bridge or NeMo 2 stdout, or a PyTorch OOM / NCCL error). Very large logs are read head and tail only.")
-    iteration_time_s: float | None = Field(None, gt=0, description="Measured time per iteration (global batch), seconds.")
-    tokens_per_s: float | None = Field(None, gt=0, description="Measured throughput of the whole job, tokens/s.")
-    tokens_per_s_per_gpu: float | None = Field(None, gt=0, description="Measured throughput per GPU, tokens/s.")
-    reported_tflops_per_gpu: float | None = Field(None, gt=0, description="TFLOP/s/GPU as a log or paper reports it (its FLOP convention is inferred).")
+    # Bounds keep every derived figure finite (5e-324 tokens/s would make the step time infinite):
+    # no step is shorter than a CUDA kernel launch (~5 us) and no GPU does an EFLOP/s.
+    iteration_time_s: float | None = Field(None, ge=1e-6, le=1e7, description="Measured time per iteration (global batch), seconds.")
+    tokens_per_s: float | None = Field(None, ge=1e-3, le=1e12, description="Measured throughput of the whole job, tokens/s.")
+    tokens_per_s_per_gpu: float | None = Field(None, ge=1e-3, le=1e9, description="Measured throughput per GPU, tokens/s.")
+    reported_tflops_per_gpu: float | None = Field(None, ge=1e-6, le=1e6, description="TFLOP/s/GPU as a log or paper reports it (its FLOP convention is inferred).")
     reported_tflops_convention: Literal["causal", "full"] | None = Field(None, description="Convention of reported_tflops_per_gpu when known; used only when no time or tokens/s is given to infer it.")
-    claimed_mfu_pct: float | None = Field(None, gt=0, le=1000, description="An MFU (%) someone claims for this run: checked against the arithmetic.")
-    peak_tflops_per_gpu: float | None = Field(None, gt=0, description="Override the MFU denominator (default: the GPU's dense BF16 peak from the hardware catalog).")
+    claimed_mfu_pct: float | None = Field(None, ge=1e-3, le=1000, description="An MFU (%) someone claims for this run: checked against the arithmetic.")
+    peak_tflops_per_gpu: float | None = Field(None, ge=1e-3, le=1e6, description="Override the MFU denominator (default: the GPU's dense BF16 peak from the hardware catalog).")
     diagnose: bool = Field(True, description="Decompose a low MFU / an OOM and rank fixes (needs the performance and memory models).")
 
 
@@ -129,7 +136,7 @@ class MfuReport(BaseModel):
     model_config = _RESULT
 
     plan: Plan | None
-    plan_source: Literal["request", "log_arguments", "none"]
+    plan_source: Literal["request", "log_arguments", "log_config", "none"] = Field(description="'log_config': the log's Bridge/NeMo config dump and the request's model / num_gpus / seq_length.")
     measurement_source: str | None = Field(description="Where the step time came from.")
     iteration_time_s: float | None
     tokens_per_s_per_gpu: float | None
@@ -152,6 +159,7 @@ class MfuReport(BaseModel):
     expected_band: ExpectedBand | None = None
     diagnosis: LowMfuDiagnosis | None = None
     oom_diagnosis: OomDiagnosis | None = None
+    failure: FailureDiagnosis | None = Field(None, description="A failed run: NCCL timeout, or a crash (import error, rejected argument, CUDA/NCCL error, killed process) with its likely causes, checks and fix.")
     log: ParsedLog | None = Field(None, description="What the log held (the last 20 iteration records).")
     findings: list[Finding] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
@@ -175,6 +183,14 @@ class MfuReport(BaseModel):
             out.append("where the step goes: " + ", ".join(f"{c.name} {c.share_of_step_pct:.0f}%" for c in d.components[:4]))
             out += [f"  fix: {f.change}: {f.predicted_throughput_change_pct:+.0f}% tokens/s" + (f" ({f.caveat})" if f.caveat else "")
                     for f in d.fixes[:5]]
+        if self.failure is not None:
+            f = self.failure
+            out.append(f"FAILED ({f.kind}): {f.summary}")
+            out += [f"  {d}" for d in f.details]
+            out += [f"  likely: {c}" for c in f.likely_causes]
+            out += [f"  check: {c}" for c in f.checks]
+            if f.fix:
+                out.append(f"  fix: {f.fix}")
         if self.oom_diagnosis is not None:
             o = self.oom_diagnosis
             out.append(f"OOM ({o.verdict}): {o.message}")
@@ -207,14 +223,7 @@ class _Flops:
         self.per_token = {c: flops_per_token_breakdown(shape, t.seq_length, c, tensor_model_parallel_size=tp) for c in ("causal", "full")}
         self.model = {c: self.per_token[c].total_flops * t.global_batch_size * t.seq_length for c in ("causal", "full")}
         self.hardware = {
-            c: hardware_flops_per_iteration(
-                shape, t.seq_length, t.global_batch_size, c,
-                recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
-                recompute_num_layers=p.recompute_num_layers, recompute_modules=p.recompute_modules,
-                pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-                virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-                tensor_model_parallel_size=tp,
-            )
+            c: hardware_flops_per_iteration(shape, t.seq_length, t.global_batch_size, c, p)
             for c in ("causal", "full")
         }
         self.tokens_per_iteration = t.global_batch_size * t.seq_length
@@ -329,7 +338,7 @@ def expected_band(plan: Plan, shape: ModelShape, fl: _Flops) -> ExpectedBand | N
         return ExpectedBand(mfu_causal_pct_range=None, mfu_full_pct_range=None, runs=[],
                             selection=f"no published {g.architecture} {'FP8' if fp8 else 'BF16/FP16'} pretraining runs in the knowledge base")
     # MoE and dense runs reach different MFU (all-to-all, small expert GEMMs): compare like with like.
-    rows = [(r, rg) for r, rg in rows if _row_is_moe(r) == shape.is_moe] or rows
+    rows = [(r, rg) for r, rg in rows if row_is_moe(r) == shape.is_moe] or rows
     similar = [(r, rg) for r, rg in rows if r.params_b and 1 / 3 <= r.params_b / max(our_n, 1e-3) <= 3]
     if shape.is_moe:
         similar = rows
@@ -380,11 +389,6 @@ def expected_band(plan: Plan, shape: ModelShape, fl: _Flops) -> ExpectedBand | N
     )
 
 
-def _row_is_moe(r) -> bool:
-    # 'Qwen3-235B-A22B': the -A<active>B suffix names an MoE model; EP > 1 only exists with experts.
-    return (r.expert_model_parallel_size or 1) > 1 or re.search(r"-A\d+(?:\.\d+)?B\b", r.model) is not None
-
-
 def _band_verdict(band: ExpectedBand, mfu_causal: float | None, mfu_full: float | None) -> str | None:
     for name, mfu, rng in (("causal", mfu_causal, band.mfu_causal_pct_range), ("full", mfu_full, band.mfu_full_pct_range)):
         if mfu is None or rng is None:
@@ -408,7 +412,10 @@ def _finding(code: str, severity: str, fields: list[str], message: str, fix: str
     return Finding(code=code, severity=severity, fields=fields, message=message, fix=fix)  # type: ignore[arg-type]
 
 
-def _resolve_plan(req: MfuRequest, parsed: ParsedLog | None, notes: list[str], findings: list[Finding]) -> tuple[Plan | None, str]:
+def _resolve_plan(req: MfuRequest, parsed: ParsedLog | None, notes: list[str], findings: list[Finding], *,
+                  required: bool) -> tuple[Plan | None, str]:
+    """The plan: the request's, else the log's arguments dump, else its config dump with the request's model /
+    num_gpus / seq_length. `required`: raise (naming what is missing) instead of returning none."""
     if req.plan is not None:
         if parsed is not None and parsed.megatron_args:
             try:
@@ -437,7 +444,35 @@ def _resolve_plan(req: MfuRequest, parsed: ParsedLog | None, notes: list[str], f
             raise ValueError(f"plan: {e}") from None
         notes.extend(n)
         return p, "log_arguments"
-    return None, "none"
+    has_config = parsed is not None and bool(parsed.config_values or parsed.config_model_names)
+    if not (has_config or req.model or req.num_gpus):
+        if required and parsed is not None:
+            raise ValueError(
+                "log_text has iteration lines but neither Megatron's arguments dump nor a Megatron-Bridge/NeMo config dump: "
+                "give model (a catalog name, e.g. 'llama3-8b') and num_gpus with it (or a full plan)")
+        return None, "none"
+    gbs = [r.global_batch_size for r in parsed.iterations if r.global_batch_size] if parsed is not None else []
+    try:
+        p, n = plan_from_config_dump(parsed.config_values if parsed else {}, parsed.config_model_names if parsed else [],
+                                     gpu=req.gpu, num_gpus=req.num_gpus, model=req.model, seq_length=req.seq_length,
+                                     world_size=parsed.world_size if parsed else None,
+                                     global_batch_size=int(statistics.median(gbs)) if gbs else None)
+    except ValueError as e:
+        if required:
+            raise ValueError(f"log_text: {e}") from None
+        notes.append(f"no plan: {e}")
+        return None, "none"
+    notes.extend(n)
+    return p, "log_config"
+
+
+def _failure(parsed: ParsedLog | None, plan: Plan | None) -> FailureDiagnosis | None:
+    """A failed run's diagnosis: an NCCL timeout first (its crash lines are its consequences), else a crash."""
+    if parsed is None:
+        return None
+    if parsed.num_nccl_timeouts:
+        return nccl_timeout(parsed, plan)
+    return crash(parsed)
 
 
 def _measurement(req: MfuRequest, parsed: ParsedLog | None, plan: Plan, fl: _Flops, findings: list[Finding]) -> tuple[float | None, str | None]:
@@ -521,18 +556,33 @@ def check_mfu(request: MfuRequest) -> MfuReport:
     if parsed is not None:
         notes.extend(f"log: {n}" for n in parsed.notes)
         _log_findings(parsed, findings)
-    plan, plan_source = _resolve_plan(request, parsed, notes, findings)
     has_measure = any(v is not None for v in (request.iteration_time_s, request.tokens_per_s, request.tokens_per_s_per_gpu, request.reported_tflops_per_gpu))
+    has_oom = parsed is not None and bool(parsed.num_oom_events or "out_of_memory" in parsed.error_lines)
+    needs_plan = has_measure or (parsed is not None and parsed.has_training_data)
+    plan, plan_source = _resolve_plan(request, parsed, notes, findings, required=needs_plan and not has_oom)
+    failure = _failure(parsed, plan)
     if plan is None:
-        if parsed is not None and (parsed.num_oom_events or "out_of_memory" in parsed.error_lines):
+        if has_oom:
             return MfuReport(plan=None, plan_source="none", measurement_source=None, iteration_time_s=None, tokens_per_s_per_gpu=None, peak=None,
-                             oom_diagnosis=oom(parsed, None), log=_trim(parsed), findings=findings,
-                             notes=notes + ["no plan and no arguments dump: the OOM is read from the message alone; give `plan` to compare it with the memory model"])
+                             oom_diagnosis=oom(parsed, None), failure=failure, log=_trim(parsed), findings=findings,
+                             notes=notes + ["no plan and no arguments dump: the OOM is read from the message alone; give model and "
+                                            "num_gpus (or `plan`) to compare it with the memory model"])
+        if failure is not None:
+            return MfuReport(plan=None, plan_source="none", measurement_source=None, iteration_time_s=None, tokens_per_s_per_gpu=None,
+                             peak=None, failure=failure, log=_trim(parsed), findings=findings,
+                             notes=notes + ["diagnosed from the log alone; give model and num_gpus (or `plan`) to match the "
+                                            "failing collective against the run's tensors and groups"])
         if parsed is not None and not parsed.has_training_data:
-            raise ValueError("log_text: " + ("; ".join(parsed.notes) or "no training lines found") + "; also give `plan` (the log has no Megatron arguments dump)")
-        raise ValueError("plan is required: give `plan` (model, cluster, training, parallelism), or a log_text that contains Megatron's "
-                         "'------------------------ arguments ------------------------' dump")
+            raise ValueError("log_text: " + ("; ".join(parsed.notes) or "no training lines, failure or config found")
+                             + "; paste the training stdout, or give model and num_gpus (or a full plan) with iteration_time_s")
+        raise ValueError("plan is required: give `plan` (model, cluster, training, parallelism), or model and num_gpus, or a "
+                         "log_text that contains Megatron's '------------------------ arguments ------------------------' dump")
     if parsed is not None and not has_measure and not parsed.has_training_data and not parsed.num_oom_events:
+        if failure is not None or has_oom:
+            return MfuReport(plan=plan, plan_source=plan_source, measurement_source=None, iteration_time_s=None,  # type: ignore[arg-type]
+                             tokens_per_s_per_gpu=None, peak=None, failure=failure,
+                             oom_diagnosis=oom(parsed, plan) if has_oom and request.diagnose else None,
+                             log=_trim(parsed), findings=findings, notes=notes)
         raise ValueError("log_text: " + ("; ".join(parsed.notes) or "no iteration lines found")
                          + "; or give iteration_time_s / tokens_per_s_per_gpu / reported_tflops_per_gpu")
 
@@ -619,6 +669,7 @@ def check_mfu(request: MfuRequest) -> MfuReport:
         expected_band=band,
         diagnosis=diagnosis,
         oom_diagnosis=oom_diag,
+        failure=failure,
         log=_trim(parsed) if parsed else None,
         findings=findings,
         notes=notes,
@@ -674,5 +725,5 @@ def _claim_checks(req: MfuRequest, plan: Plan, shape: ModelShape, gspec: GpuSpec
 __all__ = [
     "MfuRequest", "MfuReport", "check_mfu", "infer_convention", "expected_band",
     "PeakUsed", "ConventionInference", "ClaimCheck", "ExpectedBand", "LowMfuDiagnosis", "OomDiagnosis", "FixSuggestion",
-    "GapComponent",
+    "GapComponent", "FailureDiagnosis",
 ]

@@ -11,10 +11,18 @@ import difflib
 import json
 from functools import cache, lru_cache
 from importlib import resources
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mcore_advisor.schemas import ModelShape, ModelSpec
+from mcore_advisor.knowledge.hf_import import model_from_hf_config
+from mcore_advisor.schemas import (
+    HYBRID_LAYER_SYMBOLS,
+    MAMBA_CONV_KERNEL,
+    MODEL_SETTINGS,
+    ModelShape,
+    ModelSpec,
+)
 
 
 class CatalogModel(BaseModel):
@@ -83,9 +91,17 @@ def resolve_model(spec: ModelSpec) -> ModelShape:
 def _resolve_cached(spec_json: str) -> ModelShape:
     spec = ModelSpec.model_validate_json(spec_json)
     base: dict = {}
+    if spec.name and spec.hf_config:
+        raise ValueError("model.name and model.hf_config are both given: keep one (explicit fields override either)")
     if spec.name:
         base = catalog_model(spec.name).spec.model_dump(exclude_none=True)
-    base.update(spec.model_dump(exclude_none=True))
+    elif spec.hf_config:
+        base = model_from_hf_config(spec.hf_config).model_dump(exclude_none=True)
+    base.update(spec.model_dump(exclude_none=True, exclude={"hf_config"}))
+    hybrid = base.get("hybrid_layer_pattern")
+    if hybrid is not None:
+        _check_hybrid(hybrid, base, explicit_layers=spec.num_layers)
+        base["num_layers"] = len(hybrid)
     missing = [f for f in _REQUIRED if base.get(f) is None]
     if missing:
         raise ValueError(f"model.{missing[0]} is required when model.name is not a catalog model (missing: {', '.join(missing)})")
@@ -94,6 +110,8 @@ def _resolve_cached(spec_json: str) -> ModelShape:
     freq = base.get("moe_layer_freq", 1)
     if not E:
         pattern = (0,) * L
+    elif hybrid is not None:
+        pattern = tuple(1 if x == "E" else 0 for x in hybrid)
     elif isinstance(freq, list):
         if len(freq) != L:
             raise ValueError(f"model.moe_layer_freq has {len(freq)} entries but num_layers is {L}")
@@ -134,7 +152,45 @@ def _resolve_cached(spec_json: str) -> ModelShape:
         qk_pos_emb_head_dim=base.get("qk_pos_emb_head_dim", 64) if mla else 0,
         v_head_dim=base.get("v_head_dim", 128) if mla else d,
         mtp_num_layers=base.get("mtp_num_layers", 0) or 0,
+        hybrid_layer_pattern=hybrid,
+        qk_layernorm=bool(base.get("qk_layernorm", False)),
+        **{k: base.get(k) for k in MODEL_SETTINGS},
+        **_mamba_dims(base) if hybrid and "M" in hybrid else {},
     )
+
+
+def _mamba_dims(base: dict) -> dict:
+    # TransformerConfig defaults (mamba_head_dim 64, mamba_state_dim 128, mamba_num_groups 8);
+    # MambaMixer: nheads = expand * d_model / headdim with expand = 2 when mamba_num_heads is None.
+    head_dim = base.get("mamba_head_dim", 64)
+    heads = base.get("mamba_num_heads") or 2 * base["hidden_size"] // head_dim
+    return dict(mamba_num_heads=heads, mamba_head_dim=head_dim, mamba_state_dim=base.get("mamba_state_dim", 128),
+                mamba_num_groups=base.get("mamba_num_groups", 8))
+
+
+def _check_hybrid(pattern: str, base: dict, explicit_layers: int | None) -> None:
+    """Reject hybrid patterns this model cannot describe, naming the field and the fix."""
+    bad = sorted(set(pattern) - set(HYBRID_LAYER_SYMBOLS))
+    if bad:
+        known = ", ".join(f"'{k}' {v}" for k, v in HYBRID_LAYER_SYMBOLS.items())
+        raise ValueError(
+            f"model.hybrid_layer_pattern has unsupported symbol(s) {', '.join(repr(b) for b in bad)}; "
+            f"supported: {known}. Pipeline '|' and MTP '/' segments are not modelled: give the main "
+            "pattern alone and split stages with parallelism.decoder_first/last_pipeline_num_layers"
+        )
+    if explicit_layers is not None and explicit_layers != len(pattern):
+        raise ValueError(
+            f"model.num_layers ({explicit_layers}) differs from the {len(pattern)} layers of "
+            "model.hybrid_layer_pattern; Megatron takes the layer count from the pattern: drop "
+            "model.num_layers or give a pattern of that many symbols"
+        )
+    if "E" in pattern and not base.get("num_experts"):
+        raise ValueError("model.hybrid_layer_pattern has MoE ('E') layers but model.num_experts is unset: set it")
+    if base.get("mtp_num_layers"):
+        raise ValueError("model.mtp_num_layers with model.hybrid_layer_pattern is not modelled: set mtp_num_layers to 0")
+    if base.get("multi_latent_attention"):
+        raise ValueError("model.multi_latent_attention with model.hybrid_layer_pattern is not modelled ('*' layers "
+                         "are standard attention): set multi_latent_attention to false")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,15 +216,16 @@ class ParamCounts(BaseModel):
     moe_routed_active: int = Field(description="The top-k routed experts one token uses, all MoE layers.")
     moe_shared: int = Field(description="Shared expert(s), all MoE layers.")
     router: int = Field(description="Router weights (h*E, + E biases with add_bias_linear), all MoE layers.")
-    norms: int = Field(description="Pre-attention and pre-MLP norms of every layer plus the final norm.")
+    norms: int = Field(description="Pre-attention and pre-MLP norms of every layer (one pre-norm per hybrid layer) plus the final norm.")
     output: int = Field(description="Separate output layer V*h when embeddings are untied, else 0.")
     mtp: int = Field(description="Multi-token-prediction modules (0 when not counted or absent).")
+    mamba: int = Field(0, description="Mamba-2 mixers of a hybrid model, all Mamba layers.")
 
     @property
     def total(self) -> int:
         return (
             self.embedding + self.attention + self.dense_mlp + self.moe_routed + self.moe_shared
-            + self.router + self.norms + self.output + self.mtp
+            + self.router + self.norms + self.output + self.mtp + self.mamba
         )
 
     @property
@@ -187,21 +244,49 @@ def norm_params(shape: ModelShape, width: int) -> int:
 
 def attention_params_per_layer(shape: ModelShape) -> int:
     """One attention block's parameters (without its pre-norm): its linear weights
-    (`linear_weights`), MLA's q and kv norms, and biases with add_bias_linear.
+    (`linear_weights`), MLA's q and kv norms, --qk-layernorm's per-head norms, and biases with
+    add_bias_linear (`attention_params_per_rank` on one rank).
 
     MHA/GQA: Q (h x n*d), K and V (h x g*d each), output (n*d x h).
     MLA (DeepSeek-V2/V3, Megatron `MLASelfAttention`): q down (h x r_q) + q norm (r_q) + q up
     (r_q x n*(d_qk+d_rope)), or one h x n*(d_qk+d_rope) without q-LoRA; kv down
     (h x (r_kv+d_rope)) + kv norm (r_kv) + kv up (r_kv x n*(d_qk+d_v)); output (n*d_v x h).
     """
+    return int(attention_params_per_rank(shape, 1))
+
+
+def attention_params_per_rank(shape: ModelShape, tp: Any) -> Any:
+    """One attention block's parameters held by one TP rank (`tp` may be a numpy array).
+
+    Column- and row-parallel weights are split by TP; MLA's down-projections (linear_q_down_proj,
+    linear_kv_down_proj: TELinear with parallel_mode 'duplicated' in Megatron's MLA layer spec) and
+    its q/kv latent norms, and the per-head q/k norms of --qk-layernorm, are whole on every rank;
+    biases are counted split (the row-parallel output bias, h, is whole but negligible).
+    """
+    lw = linear_weights(shape)["attention"]
+    weights = sum(r * c / (tp if split is not None else 1) for r, c, split in lw)
     h, n = shape.hidden_size, shape.num_attention_heads
-    weights = sum(r * c for r, c, _ in linear_weights(shape)["attention"])
     if shape.multi_latent_attention:
-        dq = shape.qk_head_dim + shape.qk_pos_emb_head_dim
         norms = (norm_params(shape, shape.q_lora_rank) if shape.q_lora_rank else 0) + norm_params(shape, shape.kv_lora_rank)
-        return weights + norms + ((n * dq + h) if shape.add_bias_linear else 0)
-    d, g = shape.kv_channels, shape.num_query_groups
-    return weights + ((n * d + 2 * g * d + h) if shape.add_bias_linear else 0)
+        bias = (n * (shape.qk_head_dim + shape.qk_pos_emb_head_dim) + h) if shape.add_bias_linear else 0
+    else:
+        d, g = shape.kv_channels, shape.num_query_groups
+        # --qk-layernorm: SelfAttention's q_layernorm and k_layernorm, each over one head (kv_channels).
+        norms = 2 * norm_params(shape, d) if shape.qk_layernorm else 0
+        bias = (n * d + 2 * g * d + h) if shape.add_bias_linear else 0
+    return weights + norms + bias / tp
+
+
+def mamba_params_per_layer(shape: ModelShape) -> int:
+    """One Mamba-2 mixer's parameters (without its pre-norm), as Megatron's MambaMixer builds them:
+    in_proj and out_proj (`linear_weights`), the depthwise conv1d over x, B and C (weight and bias,
+    conv_dim = d_inner + 2*G*N wide), dt_bias, A_log and D (one per head), and the gated RMSNorm
+    over d_inner. No linear biases (MambaMixer asserts bias=False)."""
+    if not shape.num_mamba_layers:
+        return 0
+    conv_dim = shape.mamba_d_inner + 2 * shape.mamba_num_groups * shape.mamba_state_dim
+    weights = sum(r * c for r, c, _ in linear_weights(shape)["mamba"])
+    return weights + conv_dim * (MAMBA_CONV_KERNEL + 1) + 3 * shape.mamba_num_heads + shape.mamba_d_inner
 
 
 def mlp_params(shape: ModelShape, ffn: int) -> int:
@@ -219,7 +304,8 @@ LinearWeight = tuple[int, int, int | None]
 
 def linear_weights(shape: ModelShape) -> dict[str, tuple[LinearWeight, ...]]:
     """The linear layers of one transformer layer, by block: 'attention', 'mlp' (dense layers),
-    'expert' (one routed expert; TP here means expert TP) and 'shared_expert'. Megatron-Core's
+    'expert' (one routed expert; TP here means expert TP), 'shared_expert' and 'mamba' (a hybrid
+    model's Mamba-2 mixer; empty without one). Megatron-Core's
     layout: fused QKV (column) + output projection (row); MLA's down-projections are replicated,
     its up-projections column-parallel; fc1 (with the SwiGLU gate) column, fc2 row."""
     h, n = shape.hidden_size, shape.num_attention_heads
@@ -237,8 +323,13 @@ def linear_weights(shape: ModelShape) -> dict[str, tuple[LinearWeight, ...]]:
     def mlp(f: int | None) -> tuple[LinearWeight, ...]:
         return ((gates * f, h, 0), (h, f, 1)) if f else ()
 
+    # Mamba-2: in_proj packs z, x, B, C, dt (2*d_inner + 2*G*N + heads outputs, column-parallel, each
+    # part split by TP); out_proj is row-parallel.
+    di = shape.mamba_d_inner
+    mamba = ((2 * di + 2 * shape.mamba_num_groups * shape.mamba_state_dim + shape.mamba_num_heads, h, 0),
+             (h, di, 1)) if di else ()
     return {"attention": attn, "mlp": mlp(shape.ffn_hidden_size), "expert": mlp(shape.moe_ffn_hidden_size),
-            "shared_expert": mlp(shape.moe_shared_expert_intermediate_size)}
+            "shared_expert": mlp(shape.moe_shared_expert_intermediate_size), "mamba": mamba}
 
 
 @lru_cache(maxsize=1024)
@@ -247,9 +338,10 @@ def param_counts(shape: ModelShape, seq_length: int | None = None, include_mtp: 
 
     `seq_length` sizes the learned absolute position embedding (ignored for RoPE); published
     totals usually exclude MTP modules (DeepSeek-V3: 671B without, 685B with), hence
-    `include_mtp`. Qwen3's per-head q/k norms (2*d per layer) and GPT-OSS's attention sinks
-    (n per layer) are not in ModelShape and not counted (< 0.001% of those models).
-    Derivation: Megatron-Core GPTModel + TransformerLayer modules; cross-checked against
+    `include_mtp`. GPT-OSS's attention sinks (n per layer) are not in ModelShape and not counted
+    (< 0.001% of that model).
+    Derivation: Megatron-Core GPTModel + TransformerLayer modules (HybridModel's Mamba, attention,
+    MLP and MoE layers for a hybrid pattern, each with one pre-norm); cross-checked against
     megatron/training/theoretical_memory_usage.py (see shared/reference/estimators.md §1a).
     """
     h, V, E = shape.hidden_size, shape.vocab_size, shape.num_experts or 0
@@ -257,9 +349,9 @@ def param_counts(shape: ModelShape, seq_length: int | None = None, include_mtp: 
     if shape.position_embedding_type == "learned_absolute" and seq_length:
         embedding += seq_length * h
     attn = attention_params_per_layer(shape)
-    layer_norms = 2 * norm_params(shape, h)
+    layer_norms = norms_per_layer(shape) * norm_params(shape, h)
     n_moe = shape.num_moe_layers if E else 0
-    n_dense = shape.num_layers - n_moe
+    n_dense = shape.num_dense_layers
     dense = mlp_params(shape, shape.ffn_hidden_size)
     expert = mlp_params(shape, shape.moe_ffn_hidden_size) if E else 0
     shared = mlp_params(shape, shape.moe_shared_expert_intermediate_size) if E and shape.moe_shared_expert_intermediate_size else 0
@@ -269,11 +361,11 @@ def param_counts(shape: ModelShape, seq_length: int | None = None, include_mtp: 
         # Megatron MTP: a layer of the last decoder layer's type, enorm + hnorm, eh_proj (2h x h),
         # and a final norm; embedding and output layer are shared with the main model.
         last_is_moe = bool(E) and shape.moe_layer_pattern[-1] == 1
-        layer = attn + layer_norms + ((E * expert + shared + router) if last_is_moe else dense)
+        layer = attn + 2 * norm_params(shape, h) + ((E * expert + shared + router) if last_is_moe else dense)
         mtp = shape.mtp_num_layers * (layer + 2 * h * h + 3 * norm_params(shape, h))
     return ParamCounts(
         embedding=embedding,
-        attention=attn * shape.num_layers,
+        attention=attn * shape.num_attention_layers,
         dense_mlp=dense * n_dense,
         moe_routed=E * expert * n_moe,
         moe_routed_active=shape.moe_router_topk * expert * n_moe,
@@ -282,7 +374,13 @@ def param_counts(shape: ModelShape, seq_length: int | None = None, include_mtp: 
         norms=layer_norms * shape.num_layers + norm_params(shape, h),
         output=V * h if shape.untie_embeddings_and_output_weights else 0,
         mtp=mtp,
+        mamba=mamba_params_per_layer(shape) * shape.num_mamba_layers,
     )
+
+
+def norms_per_layer(shape: ModelShape) -> int:
+    """Pre-norms per decoder layer: a GPT layer has two (attention, MLP), a hybrid layer one."""
+    return 1 if shape.is_hybrid else 2
 
 
 def count_params(shape: ModelShape, seq_length: int | None = None, include_mtp: bool = True) -> int:

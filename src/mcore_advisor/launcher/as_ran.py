@@ -1,9 +1,13 @@
-"""The plan as a profile job actually ran it.
+"""The plan as a profile job actually ran it, and what to predict for the rank it measured.
 
-The profile entry falls back where the machine lacks a feature (the local layer spec without
-Transformer Engine, Megatron's own output layer without Apex's fused weight-gradient GEMM) and records
-what it used in result.json (`transformer_impl`, `settings`). Measured figures are only comparable
-with a prediction for that plan, so get_job and the accuracy benchmarks predict for it.
+The profile job runs Megatron-LM on the rendered argv, adapted where the machine lacks a part
+(launcher/entry/argv.py: the local spec without Transformer Engine, no TE attention kernels or
+grouped GEMM, ...). result.json records Megatron's parsed arguments (`settings`) and
+`transformer_impl`; measured figures are only comparable with a prediction for the plan those
+describe, so get_job and the accuracy benchmarks predict for it.
+
+A memory_at_scale job measures one rank of the plan's world (a fake process group); its prediction
+is the memory model's figure for that rank's pipeline stage (`rank_memory`).
 """
 
 from __future__ import annotations
@@ -12,43 +16,106 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mcore_advisor.schemas import Plan, with_changes
+from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.memory import GIB, MemoryBreakdown, memory_breakdown
+from mcore_advisor.schemas import Plan, parallel_dims, with_changes
 
 
 @dataclass(frozen=True)
 class AsRan:
     plan: Plan
-    output_layer_wgrad_fusion: bool | None = None
-    """None: as the plan says (Megatron-LM); False: only the TE layers fused (no Apex where it ran)."""
     differences: list[str] = field(default_factory=list)
 
 
+def _attention_backend(value: Any) -> str | None:
+    """'AttnBackend.flash' (how the job records Megatron's enum) -> 'flash'."""
+    return str(value).rsplit(".", 1)[-1] if value is not None else None
+
+
 def as_ran(plan: Plan, result: Mapping[str, Any] | None) -> AsRan:
-    """`plan` with the implementation choices the job's result.json says it used."""
+    """`plan` with the implementation choices the job's result.json says Megatron used."""
     if not result:
         return AsRan(plan)
     im = plan.implementation
-    changes: dict[str, Any] = {}
-    diffs: list[str] = []
-    ran_impl = result.get("transformer_impl")
-    if ran_impl in ("local", "transformer_engine") and ran_impl != im.transformer_impl:
-        changes["transformer_impl"] = ran_impl
-        diffs.append(f"transformer_impl {ran_impl} (the plan asked for {im.transformer_impl})")
     settings = result.get("settings") or {}
-    ce = settings.get("cross_entropy_loss_fusion")
-    if isinstance(ce, bool) and ce != im.cross_entropy_loss_fusion:
-        changes["cross_entropy_loss_fusion"] = ce
-        diffs.append(f"cross_entropy_loss_fusion {ce}")
-    if isinstance(ce, bool) and ce and im.cross_entropy_fusion_impl != "native":
-        changes["cross_entropy_fusion_impl"] = "native"  # the entry always uses Megatron's own
-        diffs.append("cross_entropy_fusion_impl native")
-    out_fused: bool | None = None
-    if "gradient_accumulation_fusion" in settings:
-        gaf = settings["gradient_accumulation_fusion"]
-        if bool(gaf) != im.gradient_accumulation_fusion:
-            changes["gradient_accumulation_fusion"] = bool(gaf)
-            diffs.append(f"gradient_accumulation_fusion {bool(gaf)}")
-        if gaf == "TE layers":
-            out_fused = False
-            diffs.append("output layer without wgrad fusion (no Apex where the job ran)")
-    return AsRan(with_changes(plan, "implementation", **changes) if changes else plan, out_fused, diffs)
+    gaf = settings.get("gradient_accumulation_fusion")
+    if isinstance(gaf, str):
+        gaf = True  # results of the pre-Megatron-loop job named the fused layers ('TE layers', 'all layers')
+    ran: dict[str, Any] = {
+        "transformer_impl": result.get("transformer_impl"),
+        "attention_backend": _attention_backend(settings.get("attention_backend")),
+        "gradient_accumulation_fusion": gaf,
+        "cross_entropy_loss_fusion": settings.get("cross_entropy_loss_fusion"),
+        "cross_entropy_fusion_impl": settings.get("cross_entropy_fusion_impl"),
+        "moe_grouped_gemm": settings.get("moe_grouped_gemm"),
+        "grad_reduce_in_fp32": (not settings["grad_reduce_in_bf16"]) if isinstance(settings.get("grad_reduce_in_bf16"), bool) else None,
+    }
+    allowed = {name: type(im).model_fields[name].annotation for name in ran}
+    changes: dict[str, Any] = {}
+    for name, value in ran.items():
+        if value is None or value == getattr(im, name):
+            continue
+        if name == "moe_grouped_gemm" and not resolve_model(plan.model).is_moe:
+            continue  # Megatron's flag is off for dense models whatever the plan says
+        if name == "attention_backend" and value not in getattr(allowed[name], "__args__", ()):
+            continue
+        changes[name] = value
+    diffs = [f"{k} {v}" + (" (the plan asked for " + str(getattr(im, k)) + ")" if k == "transformer_impl" else "")
+             for k, v in changes.items()]
+    return AsRan(with_changes(plan, "implementation", **changes) if changes else plan, diffs)
+
+
+def rank_memory(plan: Plan, result: Mapping[str, Any]) -> tuple[MemoryBreakdown, dict[str, Any] | None]:
+    """The memory model's breakdown for the plan as run and its stage entry for the measured rank
+    (None when the breakdown does not list that pipeline stage: it evaluates first, second,
+    second-to-last and last)."""
+    ran = as_ran(plan, result).plan
+    mem = memory_breakdown(ran)
+    rank = int(result.get("measured_rank") or 0)
+    pp_rank = rank // (plan.cluster.num_gpus // parallel_dims(plan).pp)
+    stage = next((s for s in mem.stages if s.pipeline_rank == pp_rank), None)
+    return mem, stage.model_dump() if stage is not None else None
+
+
+def rank_terms(plan: Plan, result: Mapping[str, Any]) -> tuple[float | None, list[dict[str, Any]], str]:
+    """(predicted peak allocated GiB of the measured rank, measured-vs-predicted rows per term, note).
+
+    Terms the job can measure without a memory snapshot: the parameters the rank holds; the
+    allocated memory after iteration 1 (weights, gradient buffers and optimizer state: the
+    activations are freed by then) against the model's weights + gradients + optimizer; and the
+    peak above it (activations and the largest temporary) against activations + transient +
+    buffers, or the optimizer step's temporaries when that is the predicted peak phase.
+    """
+    mem, stage = rank_memory(plan, result)
+    if stage is None:
+        return None, [], "the memory model evaluates pipeline stages first, second, second-to-last and last only"
+    ranks = result.get("ranks") or [{}]
+    after = (result.get("memory_after_iteration_mb") or [{}])[0].get("1") or {}
+    peak_gib = _first(result.get("peak_allocated_gib"))
+    static_pred = (stage["weights_bytes"] + stage["gradients_bytes"] + stage["optimizer_bytes"]) / GIB
+    dynamic_pred = max(stage["activations_bytes"] + stage["transient_bytes"],
+                       stage["optimizer_step_transient_bytes"]) / GIB + stage["buffers_bytes"] / GIB
+    static_meas = after.get("allocated_mb") / 1024.0 if after.get("allocated_mb") else None
+    rows = [
+        _row("num_params", ranks[0].get("num_params_local"), stage["num_params"]),
+        _row("weights_gradients_optimizer_gib", static_meas, static_pred),
+        _row("activations_transient_buffers_gib", peak_gib - static_meas if (peak_gib and static_meas) else None, dynamic_pred),
+        _row("peak_allocated_gib", peak_gib, stage["peak_allocated_bytes"] / GIB),
+    ]
+    note = (f"memory_at_scale: rank {result.get('measured_rank')} (pipeline stage {stage['pipeline_rank']}, {stage['role']}) "
+            f"of {plan.cluster.num_gpus}, measured on one GPU with Megatron's --fake-process-group after iteration "
+            f"{result.get('memory_read_after_iteration')}")
+    return stage["peak_allocated_bytes"] / GIB, rows, note
+
+
+def _first(value: Any) -> float | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _row(term: str, measured: float | None, predicted: float | None) -> dict[str, Any]:
+    err = None
+    if measured and predicted is not None:
+        err = round((predicted - measured) / measured * 100.0, 2)
+    return {"term": term, "measured": measured, "predicted": predicted, "error_pct": err}

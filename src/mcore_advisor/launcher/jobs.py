@@ -9,6 +9,7 @@ every job up again from the store.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ from mcore_advisor.tools.mfu import MfuRequest, check_mfu
 from mcore_advisor.tools.render import RenderRequest, render_launch_script
 from mcore_advisor.validators import validate
 
-from .as_ran import as_ran
+from .as_ran import as_ran, rank_terms
 from .backends.base import (
     ERROR_FILE,
     JOB_ENV_MARKER,
@@ -49,12 +50,24 @@ from .backends.base import (
     JobRef,
     JobResources,
     check_job_name,
+    read_json,
     read_outcome,
     tail_text,
 )
 from .backends.local import LocalBackend, local_gpu_count
 from .spec import job_spec
-from .store import ACTIVE_STATES, JOB_STATES, JobRecord, JobStateName, JobStore, new_job_id, record_from
+from .store import (
+    ACTIVE_STATES,
+    JOB_STATES,
+    STATE_DIR_ENV,
+    JobRecord,
+    JobStateName,
+    JobStore,
+    StoreError,
+    new_job_id,
+    quote,
+    record_from,
+)
 
 log = logging.getLogger("mcore_advisor.launcher")
 
@@ -63,10 +76,15 @@ ENTRY_MODULE = "mcore_advisor.launcher.entry.profile"
 SPEC_FILE = "spec.json"
 PLAN_FILE = "plan.json"
 PREDICTED_FILE = "predicted.json"
+REF_FILE = "ref.json"  # the backend's JobRef, also stored in the job row
 LOG_TAIL_LINES = 40
 LOG_TAIL_BYTES = 8192
 DIAGNOSIS_LOG_BYTES = 256 * 1024
 UNSUBMITTED_GRACE_S = 120.0
+
+# What get_job/list_jobs report: a stored state, or UNKNOWN while the backend cannot be asked (the
+# stored state is then left as it was: a controller outage is not a job failure).
+ReportedState = Literal["PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "UNKNOWN"]
 
 
 # ---- request / response models -------------------------------------------------------------
@@ -85,6 +103,9 @@ class ProfileJobRequest(BaseModel):
     measure_steps: int = Field(10, ge=1, le=10000, description="Timed training steps the figures average over.")
     profile_steps: tuple[int, int] | None = Field((3, 3), description="(first, last) iterations, numbered from 1 and inclusive, traced with torch.profiler into trace_rank0.json; they never count as measured. None = no trace.")
     seed: int = Field(1234, ge=0, le=2**31 - 1, description="Random seed for weights and mock data.")
+    mode: Literal["profile", "memory_at_scale"] = Field("profile", description="'profile': the plan on cluster.num_gpus processes. 'memory_at_scale': one process (one GPU) plays `rank` of the plan's world through Megatron's --fake-process-group and reports that rank's memory after iteration 2, next to estimate_memory's figure for it.")
+    rank: int | Literal["most_loaded"] = Field("most_loaded", description="memory_at_scale: the global rank to measure, or 'most_loaded' (the memory model's most-loaded pipeline stage).")
+    record_memory_history: bool = Field(False, description="Megatron's --record-memory-history: a CUDA memory snapshot (memory_snapshot.pickle) with every allocation's stack.")
     dry_run: bool = Field(False, description="Return the exact command / batch script without creating a job.")
 
 
@@ -141,7 +162,8 @@ class JobStatus(BaseModel):
     name: str
     backend: str
     backend_job_id: str | None
-    state: JobStateName
+    state: ReportedState = Field(description="UNKNOWN: the backend did not answer just now (see error); last_known_state is the stored one.")
+    last_known_state: JobStateName = Field(description="The state as last seen and stored.")
     created_at: datetime
     started_at: datetime | None
     ended_at: datetime | None
@@ -157,6 +179,7 @@ class JobStatus(BaseModel):
     predicted: PredictedFigures | None
     comparison: list[FigureComparison] = Field(default_factory=list)
     comparison_note: str | None = None
+    memory_terms: list[dict[str, Any]] | None = Field(None, description="memory_at_scale: measured vs predicted per memory term for the measured rank (parameters, weights+gradients+optimizer, activations+temporaries, peak).")
     diagnosis: dict[str, Any] | None = Field(None, description="check_mfu's reading of a failed job's log (OOM, NCCL timeout, ...).")
 
 
@@ -166,7 +189,7 @@ class JobSummary(BaseModel):
     job_id: str
     name: str
     backend: str
-    state: JobStateName
+    state: ReportedState
     created_at: datetime
     ended_at: datetime | None
     num_gpus: int | None
@@ -194,6 +217,9 @@ def _job_spec(plan: Plan, request: ProfileJobRequest) -> dict[str, Any]:
             measure_steps=request.measure_steps,
             profile_steps=request.profile_steps,
             seed=request.seed,
+            mode=request.mode,
+            rank=request.rank,
+            record_memory_history=request.record_memory_history,
         )
     )
 
@@ -240,7 +266,7 @@ def _as_ran_prediction(plan: Mapping[str, Any], result: Mapping[str, Any] | None
         return None, None
     try:
         perf = step_time(ran.plan)
-        mem = memory_breakdown(ran.plan, output_layer_wgrad_fusion=ran.output_layer_wgrad_fusion)
+        mem = memory_breakdown(ran.plan)
     except (ValueError, KeyError) as exc:
         log.info("no prediction for the plan as it ran: %s", exc)
         return None, None
@@ -248,6 +274,15 @@ def _as_ran_prediction(plan: Mapping[str, Any], result: Mapping[str, Any] | None
                                tflops_per_gpu_causal=perf.model_tflops_per_gpu_causal,
                                peak_allocated_gib=mem.peak_allocated_gib)
     return figures, "predicted for the plan as the job ran it: " + "; ".join(ran.differences)
+
+
+def _at_scale_prediction(plan: Mapping[str, Any], result: Mapping[str, Any]) -> tuple[PredictedFigures, list[dict[str, Any]], str]:
+    """estimate_memory's figures for the rank a memory_at_scale job measured (as_ran.rank_terms)."""
+    try:
+        peak, terms, note = rank_terms(Plan.model_validate(plan), result)
+    except (ValueError, KeyError) as exc:
+        return PredictedFigures(), [], f"no prediction for the measured rank: {exc}"
+    return PredictedFigures(peak_allocated_gib=peak), terms, note
 
 
 def _drop_plans(value: Any) -> Any:
@@ -411,7 +446,7 @@ class JobManager:
         with self._lock:
             if name not in self._backends:
                 if name not in self._factories:
-                    raise ValueError(f"backend: unknown backend {name!r}; use one of {', '.join(sorted(self._factories))}")
+                    raise ValueError(f"backend: unknown backend {quote(name)}; use one of {', '.join(sorted(self._factories))}")
                 self._backends[name] = self._factories[name]()
             return self._backends[name]
 
@@ -428,7 +463,8 @@ class JobManager:
 
         name = request.name if request.name is not None else _default_name(plan)
         check_job_name(name)
-        nodes, gpus_per_node = resolve_layout(plan, request.resources)
+        # memory_at_scale is one process whatever the plan's world (a fake process group)
+        nodes, gpus_per_node = (1, 1) if request.mode == "memory_at_scale" else resolve_layout(plan, request.resources)
         use_gpus = request.backend != "local" or local_gpu_count() > 0
         if not use_gpus:
             warnings.append(Finding(
@@ -457,7 +493,7 @@ class JobManager:
             job_id=job_id, name=name, job_dir=job_dir, program=program, resources=request.resources,
             nodes=nodes, gpus_per_node=gpus_per_node, use_gpus=use_gpus, env=env,
         )
-        if request.backend != "local" and self.entry == ["-m", ENTRY_MODULE]:
+        if request.backend != "local" and self.entry == ["-m", ENTRY_MODULE] and request.mode == "profile":
             script = _render_profile_script(plan, spec, artifact)
             if script is not None:
                 artifact = replace(artifact, script=script)
@@ -473,11 +509,15 @@ class JobManager:
         if request.dry_run:
             return JobSubmission(job_id=None, dry_run=True, state=None, **common)
 
-        job_dir.mkdir(parents=True, mode=0o700)
-        (job_dir / PLAN_FILE).write_text(plan.model_dump_json(indent=1))
-        (job_dir / SPEC_FILE).write_text(json.dumps(spec, indent=1))
-        if predicted is not None:
-            (job_dir / PREDICTED_FILE).write_text(json.dumps(predicted, indent=1))
+        try:
+            job_dir.mkdir(parents=True, mode=0o700)
+            (job_dir / PLAN_FILE).write_text(plan.model_dump_json(indent=1))
+            (job_dir / SPEC_FILE).write_text(json.dumps(spec, indent=1))
+            if predicted is not None:
+                (job_dir / PREDICTED_FILE).write_text(json.dumps(predicted, indent=1))
+        except OSError as exc:
+            shutil.rmtree(job_dir, ignore_errors=True)
+            raise BackendError(job_dir_error(job_dir, exc)) from exc
         record = record_from(
             job_id=job_id, name=name, backend=request.backend, job_dir=job_dir, command=command,
             plan=plan.model_dump(mode="json"), spec=spec, predicted=predicted,
@@ -485,41 +525,80 @@ class JobManager:
             paths={"spec": str(job_dir / SPEC_FILE), "result": str(job_dir / RESULT_FILE), "error": str(job_dir / ERROR_FILE),
                    "train_log": str(job_dir / TRAIN_LOG), "stdout": str(job_dir / STDOUT_FILE), "stderr": str(job_dir / STDERR_FILE)},
         )
-        self.store.insert(record)
+        try:
+            self.store.insert(record)
+        except Exception:
+            shutil.rmtree(job_dir, ignore_errors=True)
+            raise
         try:
             ref = backend.submit(artifact)
         except Exception as exc:
             # A submission the backend refused leaves no job behind: no row, no directory.
-            self.store.delete(job_id)
-            shutil.rmtree(job_dir, ignore_errors=True)
+            self._forget(job_id, job_dir)
             if isinstance(exc, BackendError):
                 raise
+            if isinstance(exc, OSError):
+                raise BackendError(job_dir_error(job_dir, exc)) from exc
             raise BackendError(f"backend {request.backend!r} could not start the job: {type(exc).__name__}: {exc}") from exc
+        _write_ref(job_dir, ref)
         state: JobStateName = "RUNNING" if request.backend == "local" else "PENDING"
         now = time.time()
-        rec = self.store.update(job_id, backend_ref=ref.model_dump(mode="json"), state=state,
-                                started_at=now if state == "RUNNING" else None)
+        try:
+            rec = self.store.update(job_id, backend_ref=ref.model_dump(mode="json"), state=state,
+                                    started_at=now if state == "RUNNING" else None)
+        except StoreError as exc:
+            raise StoreError(f"{exc}. Job {job_id} did start; it is picked up from {job_dir / REF_FILE} "
+                             "once the store can be written (get_job, list_jobs or a server restart)") from exc
         return JobSubmission(job_id=job_id, dry_run=False, state=rec.state, backend_job_id=ref.native_id, **common)
 
     # -- refresh -----------------------------------------------------------------------------
 
+    def _forget(self, job_id: str, job_dir: Path) -> None:
+        try:
+            self.store.delete(job_id)
+        except StoreError as exc:  # the row stays without a backend ref: reattach_all fails it later
+            log.warning("could not remove the row of unsubmitted job %s: %s", job_id, exc)
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+    def _adopt_refs(self, records: Sequence[JobRecord]) -> list[JobRecord]:
+        """Rows whose job started but whose backend ref never reached the store take it from ref.json."""
+        out = []
+        for rec in records:
+            if rec.state in ACTIVE_STATES and not rec.backend_ref:
+                ref = _read_ref(Path(rec.job_dir))
+                if ref is not None:
+                    rec = self.store.update(rec.job_id, only_if_active=True, backend_ref=ref.model_dump(mode="json"))
+            out.append(rec)
+        return out
+
     def refresh(self, records: Sequence[JobRecord]) -> list[JobRecord]:
         """Poll the backends for the active ones among `records`; returns the records as stored now."""
+        return self._poll(records)[0]
+
+    def _poll(self, records: Sequence[JobRecord]) -> tuple[list[JobRecord], dict[str, str]]:
+        """(the records as stored now, {job_id: why its backend could not be asked}).
+
+        A backend that cannot be asked (controller down, daemon unreachable, credentials refused)
+        leaves its jobs' stored states alone; the reason is reported, never turned into FAILED.
+        """
+        records = self._adopt_refs(records)
         by_backend: dict[str, dict[str, JobRef]] = {}
         for rec in records:
             if rec.state in ACTIVE_STATES and rec.backend_ref:
                 by_backend.setdefault(rec.backend, {})[rec.job_id] = JobRef.model_validate(rec.backend_ref)
         updated: dict[str, JobRecord] = {}
+        unreachable: dict[str, str] = {}
         for backend_name, refs in by_backend.items():
             try:
                 statuses = self.backend(backend_name).status(refs)
             except (BackendError, OSError) as exc:
                 log.warning("cannot poll backend %s: %s", backend_name, exc)
+                unreachable.update(dict.fromkeys(refs, str(exc)))
                 continue
             for job_id, st in statuses.items():
                 rec = next(r for r in records if r.job_id == job_id)
                 updated[job_id] = self._apply(rec, st)
-        return [updated.get(r.job_id, r) for r in records]
+        return [updated.get(r.job_id, r) for r in records], unreachable
 
     def _apply(self, rec: JobRecord, st: BackendStatus) -> JobRecord:
         now = time.time()
@@ -571,17 +650,18 @@ class JobManager:
 
     def get(self, job_id: str) -> JobStatus:
         rec = self.store.get(job_id)
+        unreachable: dict[str, str] = {}
         if rec.state in ACTIVE_STATES:
-            rec = self.refresh([rec])[0]
-        return self._status(rec)
+            [rec], unreachable = self._poll([rec])
+        return self._status(rec, unreachable.get(rec.job_id))
 
     def list(self, state: str | None = None, limit: int = 20) -> JobList:
         if state is not None and state not in JOB_STATES:
-            raise ValueError(f"state: unknown job state {state!r}; use one of {', '.join(JOB_STATES)}")
+            raise ValueError(f"state: unknown job state {quote(state)}; use one of {', '.join(JOB_STATES)}")
         if not 1 <= limit <= 1000:
-            raise ValueError(f"limit: {limit} is out of range; use 1..1000")
-        self.refresh(self.store.list(states=ACTIVE_STATES, limit=1000))
-        return JobList(jobs=[self._summary(r) for r in self.store.list(state=state, limit=limit)])
+            raise ValueError(f"limit: {quote(limit)} is out of range; use 1..1000")
+        _, unreachable = self._poll(self.store.list(states=ACTIVE_STATES, limit=1000))
+        return JobList(jobs=[self._summary(r, unreachable.get(r.job_id)) for r in self.store.list(state=state, limit=limit)])
 
     def cancel(self, job_id: str) -> JobStatus:
         rec = self.store.get(job_id)
@@ -599,7 +679,7 @@ class JobManager:
         Jobs still running stay attached; local jobs whose process vanished without an exit
         record or result become FAILED ("lost: process ... exited without result").
         """
-        active = self.store.list(states=ACTIVE_STATES, limit=100_000)
+        active = self._adopt_refs(self.store.list(states=ACTIVE_STATES, limit=100_000))
         now = time.time()
         for rec in active:
             # A row without a backend ref: a server stopped between recording and submitting the job.
@@ -607,19 +687,20 @@ class JobManager:
             if not rec.backend_ref and now - rec.created_at > UNSUBMITTED_GRACE_S:
                 self.store.transition(rec.job_id, "FAILED", error="lost: the server stopped before the job was submitted")
         still_active = [r for r in self.store.list(states=ACTIVE_STATES, limit=100_000) if r.backend_ref]
-        self.refresh(still_active)
-        return [self._summary(self.store.get(r.job_id)) for r in active]
+        _, unreachable = self._poll(still_active)
+        return [self._summary(self.store.get(r.job_id), unreachable.get(r.job_id)) for r in active]
 
     # -- views -------------------------------------------------------------------------------
 
-    def _summary(self, rec: JobRecord) -> JobSummary:
+    def _summary(self, rec: JobRecord, unreachable: str | None = None) -> JobSummary:
         return JobSummary(
-            job_id=rec.job_id, name=rec.name, backend=rec.backend, state=rec.state,
+            job_id=rec.job_id, name=rec.name, backend=rec.backend, state="UNKNOWN" if unreachable else rec.state,
             created_at=_ts(rec.created_at), ended_at=_ts(rec.ended_at),  # type: ignore[arg-type]
-            num_gpus=(rec.plan.get("cluster") or {}).get("num_gpus"), error=rec.error,
+            num_gpus=(rec.plan.get("cluster") or {}).get("num_gpus"),
+            error=_unreachable_error(rec, unreachable) if unreachable else rec.error,
         )
 
-    def _status(self, rec: JobRecord) -> JobStatus:
+    def _status(self, rec: JobRecord, unreachable: str | None = None) -> JobStatus:
         job_dir = Path(rec.job_dir)
         log_file = None
         for candidate in (TRAIN_LOG, STDOUT_FILE, *sorted(p.name for p in job_dir.glob("slurm-*.out"))):
@@ -634,6 +715,9 @@ class JobManager:
         ran_predicted, ran_note = _as_ran_prediction(rec.plan, rec.result)
         if ran_predicted is not None:
             predicted = ran_predicted
+        terms = None
+        if rec.result and rec.result.get("mode") == "memory_at_scale":
+            predicted, terms, ran_note = _at_scale_prediction(rec.plan, rec.result)
         comparison = compare(rec.result, predicted)
         note = ran_note
         if rec.result and (not rec.resources.get("use_gpus", True) or _measured_on_cpu(rec.result)):
@@ -646,13 +730,51 @@ class JobManager:
         ref = rec.backend_ref or {}
         return JobStatus(
             job_id=rec.job_id, name=rec.name, backend=rec.backend, backend_job_id=ref.get("native_id"),
-            state=rec.state, created_at=_ts(rec.created_at), started_at=_ts(rec.started_at),  # type: ignore[arg-type]
+            state="UNKNOWN" if unreachable else rec.state, last_known_state=rec.state,
+            created_at=_ts(rec.created_at), started_at=_ts(rec.started_at),  # type: ignore[arg-type]
             ended_at=_ts(rec.ended_at),
             elapsed_s=round(end - rec.started_at, 3) if (end is not None and rec.started_at is not None) else None,
-            job_dir=rec.job_dir, command_line=shlex.join(rec.command), exit_code=rec.exit_code, error=rec.error,
+            job_dir=rec.job_dir, command_line=shlex.join(rec.command), exit_code=rec.exit_code,
+            error=_unreachable_error(rec, unreachable) if unreachable else rec.error,
             log_file=str(log_file) if log_file else None, log_tail=log_tail, stderr_tail=stderr_tail,
             result=rec.result, predicted=predicted, comparison=comparison, comparison_note=note, diagnosis=rec.diagnosis,
+            memory_terms=terms,
         )
+
+
+def _write_ref(job_dir: Path, ref: JobRef) -> None:
+    """The backend ref in the job directory too: the store may be unwritable right after a submit."""
+    tmp = job_dir / f".{REF_FILE}.tmp"
+    try:
+        tmp.write_text(ref.model_dump_json())
+        tmp.replace(job_dir / REF_FILE)
+    except OSError as exc:
+        log.warning("could not write %s: %s", job_dir / REF_FILE, exc)
+
+
+def _read_ref(job_dir: Path) -> JobRef | None:
+    try:
+        data = read_json(job_dir / REF_FILE, 64 * 1024)
+        return JobRef.model_validate(data) if data is not None else None
+    except ValueError:  # too large or not a JobRef: not the one we wrote
+        return None
+
+
+def job_dir_error(job_dir: Path, exc: OSError) -> str:
+    """What went wrong writing a job directory and what to do; no job was created."""
+    why = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"free space there or set {STATE_DIR_ENV} to a directory on another disk"
+    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = f"check its permissions and that the file system is not mounted read-only, or set {STATE_DIR_ENV} to a writable directory"
+    else:
+        fix = f"check the disk, or set {STATE_DIR_ENV} to another directory"
+    return f"cannot write the job directory {job_dir} ({why}): {fix}; no job was created"
+
+
+def _unreachable_error(rec: JobRecord, reason: str) -> str:
+    return (f"state unknown: {reason}; the job was last seen {rec.state} and may still be running "
+            "(nothing was changed); ask again with get_job")
 
 
 def resolve_layout(plan: Plan, resources: JobResources) -> tuple[int, int]:

@@ -38,16 +38,19 @@ class ParallelSummary(BaseModel):
 
 
 class Evaluation(BaseModel):
-    """What evaluate_plan returns. `feasible` = no error finding and the plan fits in memory."""
+    """What evaluate_plan returns. `valid` = no validator error (Megatron would start it); `feasible` =
+    valid and it fits in memory."""
 
     model_config = ConfigDict(frozen=True)
 
+    valid: bool = Field(description="False when a validator rejects the plan (Megatron would refuse it): the blocking findings come first, and there is no performance figure.")
     feasible: bool
-    findings: list[Finding] = Field(description="Validation findings: errors block the plan, warnings and info explain it.")
+    findings: list[Finding] = Field(description="Validation findings, blocking errors first: errors block the plan, warnings and info explain it.")
     model: ModelShape = Field(description="The resolved model shape (catalog + overrides + Megatron defaults).")
     parallel: ParallelSummary
     memory: MemoryBreakdown | None = Field(description="Per-GPU memory on the most-loaded rank; None if the layout is too broken to estimate.")
-    performance: PerfEstimate | None = Field(description="Predicted step time and throughput; None if the layout is too broken to estimate.")
+    performance: PerfEstimate | None = Field(description="Predicted step time and throughput; None for a plan the validators reject (see performance_unavailable).")
+    performance_unavailable: str | None = Field(None, description="Why there is no performance figure (a plan Megatron would refuse has no throughput).")
     explanation: list[str] = Field(description="Short human summary: verdict, dominant costs, what limits the plan.")
 
 
@@ -63,7 +66,7 @@ def evaluate_plan(plan: Plan) -> Evaluation:
     """
     shape = resolve_model(plan.model)
     g = gpu(plan.cluster.gpu)
-    findings = validate(plan)
+    findings = blocking_first(validate(plan) + unmodelled_settings(plan))
     has_error = any(f.severity == "error" for f in findings)
     dims = parallel_dims(plan)
     tr = plan.training
@@ -84,17 +87,49 @@ def evaluate_plan(plan: Plan) -> Evaluation:
     )
     notes: list[str] = []
     memory = _guarded(memory_breakdown, plan, has_error, notes, "memory")
-    perf = _guarded(lambda p: step_time(p, shape), plan, has_error, notes, "performance")
+    perf, why_none = None, None
+    if has_error:
+        first = next(f for f in findings if f.severity == "error")
+        why_none = (f"no throughput for a plan Megatron would refuse: {first.message}"
+                    + (f" (fix: {first.fix})" if first.fix else ""))
+    else:
+        perf = step_time(plan, shape)
     feasible = not has_error and memory is not None and memory.fits
     return Evaluation(
+        valid=not has_error,
         feasible=feasible,
         findings=findings,
         model=shape,
         parallel=parallel,
         memory=memory,
         performance=perf,
+        performance_unavailable=why_none,
         explanation=_explain(findings, memory, perf) + notes,
     )
+
+
+def blocking_first(findings: list[Finding]) -> list[Finding]:
+    """Errors (what makes Megatron refuse the plan) first, then warnings, then info; stable within each."""
+    order = {"error": 0, "warning": 1, "info": 2}
+    return sorted(findings, key=lambda f: order[f.severity])
+
+
+def unmodelled_settings(plan: Plan) -> list[Finding]:
+    """Plan settings the memory and time models do not cover yet, so the prediction is for a run without them."""
+    t = plan.training
+    if not (t.attention_dropout or t.hidden_dropout):
+        return []
+    # TODO(issue 14 stage 2): dropout > 0 keeps a mask per dropped tensor (1 B/element: attention
+    # probabilities b*n*s*s/TP unless flash attention regenerates it, and each hidden-dropout output
+    # b*s*h) and adds memory-bound kernels; memory_breakdown and step_time assume 0.
+    return [Finding(
+        code="dropout_not_modelled", severity="warning",
+        fields=["training.attention_dropout", "training.hidden_dropout"],
+        message=(f"attention_dropout {t.attention_dropout:g} / hidden_dropout {t.hidden_dropout:g}: dropout > 0 is not "
+                 "modelled yet; its masks cost memory and its kernels time, so memory and step time are underestimated"),
+        fix="set training.attention_dropout and training.hidden_dropout to 0 (the Hugging Face configs of Llama 3 and "
+            "DeepSeek-V3 have attention_dropout 0.0) for predictions that hold, or read these figures as a lower bound",
+    )]
 
 
 def _guarded(fn, plan: Plan, has_error: bool, notes: list[str], what: str):
@@ -111,6 +146,7 @@ def _guarded(fn, plan: Plan, has_error: bool, notes: list[str], what: str):
 _TERM_NAMES = {
     "gemm_s": "GEMMs",
     "attention_s": "core attention",
+    "ssm_scan_s": "Mamba-2 convolution and SSD scan",
     "elementwise_s": "memory-bound elementwise ops",
     "recompute_s": "activation recompute",
     "tp_comm_exposed_s": "exposed TP/SP communication",
@@ -157,4 +193,4 @@ def _explain(findings: list[Finding], memory: MemoryBreakdown | None, perf: Perf
     return out
 
 
-__all__ = ["Evaluation", "ParallelSummary", "evaluate_plan"]
+__all__ = ["Evaluation", "ParallelSummary", "blocking_first", "evaluate_plan", "unmodelled_settings"]

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from mcore_advisor.schemas import ModelShape
+from mcore_advisor.physics.mamba import mamba_flops_per_token
+from mcore_advisor.schemas import ModelShape, ParallelismSpec
 
 Convention = Literal["causal", "full"]
 
@@ -48,7 +50,7 @@ class FlopsPerToken(BaseModel):
     convention: Convention = Field(description="'causal' (Megatron >= 2025-03) or 'full' (full s^2 core attention).")
     seq_length: int
     padded_vocab_size: int = Field(description="Vocab size used for the logits term (Megatron uses the padded vocab).")
-    num_attention_layers: int = Field(description="Layers with self-attention: num_layers + mtp_num_layers.")
+    num_attention_layers: int = Field(description="Layers with self-attention: num_layers + mtp_num_layers (a hybrid pattern's '*' layers).")
     attention_linear_flops: float = Field(description="QKV (or MLA down/up) and output projections, all attention layers.")
     core_attention_flops: float = Field(description="QK^T and softmax(QK^T)V, all attention layers, in `convention`.")
     dense_mlp_flops: float = Field(description="Dense MLP GEMMs (fc1 incl. the SwiGLU gate, fc2), all dense layers.")
@@ -56,6 +58,7 @@ class FlopsPerToken(BaseModel):
     moe_shared_flops: float = Field(description="Shared expert(s), all MoE layers.")
     mtp_extra_flops: float = Field(description="MTP eh-projection and norms (Megatron's 3h + 2h^2 per MTP layer).")
     logits_flops: float = Field(description="Output layer h x V, once plus once per MTP layer.")
+    mamba_flops: float = Field(0.0, description="Mamba-2 layers of a hybrid model (in_proj, scan, out_proj), as Megatron's hybrid_flops counts them.")
     total_flops: float = Field(description="Sum of the parts: Megatron's FLOPs per token.")
 
     @property
@@ -67,14 +70,18 @@ class FlopsPerToken(BaseModel):
             + self.dense_mlp_flops
             + self.moe_routed_flops
             + self.moe_shared_flops
+            + self.mamba_flops
         )
 
 
 def _layer_counts(shape: ModelShape) -> tuple[int, int, int]:
     """(dense MLP layers, MoE layers, attention layers) incl. MTP layers, as Megatron counts them.
 
-    Megatron: MTP layers copy the type of the last decoder layer (dense or MoE).
+    Megatron: MTP layers copy the type of the last decoder layer (dense or MoE). A hybrid pattern
+    counts its '-', 'E' and '*' layers (training.py hybrid_flops; MTP is not modelled there).
     """
+    if shape.is_hybrid:
+        return shape.num_dense_layers, shape.num_moe_layers, shape.num_attention_layers
     mtp = shape.mtp_num_layers
     if shape.num_experts:
         moe = shape.num_moe_layers
@@ -144,6 +151,7 @@ def flops_per_token_breakdown(
         # training.py: "MTP eh norm + final norm" 3h and "eh proj" 2h*h per MTP layer.
         mtp_extra_flops=float(_GEMM * mtp * (3 * h + 2 * h * h)),
         logits_flops=float(_GEMM * h * V * (mtp + 1)),
+        mamba_flops=mamba_flops_per_token(shape) * shape.num_mamba_layers,
     )
     return FlopsPerToken(
         convention=convention,
@@ -176,24 +184,23 @@ def flops_per_iteration(
     return per_token.total_flops * global_batch_size * seq_length
 
 
-def recomputed_layer_fraction(
-    num_layers_per_chunk: int,
-    recompute_method: Literal["uniform", "block"] | None,
-    recompute_num_layers: int | None,
-) -> float:
+def recomputed_layer_fraction(num_layers_per_chunk, recompute_method, recompute_num_layers):
     """Fraction of a model chunk's layers whose forward is rerun under full recompute.
 
     Megatron `TransformerBlock._checkpointed_forward`: 'uniform' checkpoints groups of
     recompute_num_layers layers and reruns every group, so every layer is recomputed; 'block'
     checkpoints only the first recompute_num_layers layers of each model chunk (each virtual
-    stage), the rest keep their activations.
+    stage), the rest keep their activations. Numbers or numpy arrays: `recompute_method` may be an
+    array of 'block' flags and `recompute_num_layers` an array with 0 for unset (the whole chunk).
     """
-    if num_layers_per_chunk <= 0:
-        return 0.0
-    if recompute_method == "block":
-        r = recompute_num_layers if recompute_num_layers is not None else num_layers_per_chunk
-        return min(r, num_layers_per_chunk) / num_layers_per_chunk
-    return 1.0
+    chunk = np.asarray(num_layers_per_chunk, dtype=np.float64)
+    if recompute_method is None or isinstance(recompute_method, str):
+        recompute_method = recompute_method == "block"
+    k = np.asarray(0 if recompute_num_layers is None else recompute_num_layers, dtype=np.float64)
+    r = np.where(k > 0, k, chunk)
+    frac = np.where(np.asarray(recompute_method, dtype=bool), np.minimum(r, chunk) / np.maximum(chunk, 1.0), 1.0)
+    out = np.where(chunk > 0, frac, 0.0)
+    return float(out) if out.ndim == 0 else out
 
 
 def hardware_flops_per_iteration(
@@ -201,18 +208,14 @@ def hardware_flops_per_iteration(
     seq_length: int,
     global_batch_size: int,
     convention: Convention = "causal",
+    parallelism: ParallelismSpec | None = None,
     *,
-    recompute_granularity: Literal["selective", "full"] | None = None,
-    recompute_method: Literal["uniform", "block"] | None = None,
-    recompute_num_layers: int | None = None,
-    recompute_modules: list[str] | None = None,
-    pipeline_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: int | None = None,
-    tensor_model_parallel_size: int = 1,
     padded_vocab_size: int | None = None,
     selective_form: Literal["korthikanti", "exact"] = "korthikanti",
 ) -> float:
-    """FLOPs the GPUs actually execute per iteration: model FLOPs + recomputed forward work (HFU).
+    """FLOPs the GPUs actually execute per iteration: model FLOPs + recomputed forward work (HFU),
+    with the plan's `parallelism` (recompute choices, TP for the vocab padding, PP/VP for block
+    recompute; None = no recompute, TP 1).
 
     - selective (core_attn, Megatron's default module): Korthikanti et al. 2022 (arXiv 2205.05198,
       Sec. 6) count hardware FLOPs as 72*B*s*L*h^2*(1 + s/(3h) + V/(12*L*h)) vs model
@@ -227,13 +230,14 @@ def hardware_flops_per_iteration(
       96*B*s*L*h^2*(1 + s/(6h) + V/(16*L*h)) = 4/3 of the layer FLOPs, logits not recomputed), for the
       fraction of layers implied by recompute_method / recompute_num_layers per model chunk.
     """
+    p = parallelism or ParallelismSpec()
     bd = flops_per_token_breakdown(
         shape, seq_length, convention,
-        tensor_model_parallel_size=tensor_model_parallel_size, padded_vocab_size=padded_vocab_size,
+        tensor_model_parallel_size=p.tensor_model_parallel_size, padded_vocab_size=padded_vocab_size,
     )
     extra = 0.0
-    if recompute_granularity == "selective":
-        modules = recompute_modules if recompute_modules is not None else ["core_attn"]
+    if p.recompute_granularity == "selective":
+        modules = p.recompute_modules if p.recompute_modules is not None else ["core_attn"]
         if "core_attn" in modules:
             extra += bd.core_attention_flops * (1.0 if selective_form == "korthikanti" else 1.0 / _FWD_BWD)
         if "mlp" in modules:
@@ -242,13 +246,13 @@ def hardware_flops_per_iteration(
             extra += (bd.moe_routed_flops + bd.moe_shared_flops) / _FWD_BWD
         elif "shared_experts" in modules:
             extra += bd.moe_shared_flops / _FWD_BWD
-    elif recompute_granularity == "full":
-        pp = pipeline_model_parallel_size
-        vp = (virtual_pipeline_model_parallel_size or 1) if pp > 1 else 1
+    elif p.recompute_granularity == "full":
+        pp = p.pipeline_model_parallel_size
+        vp = (p.virtual_pipeline_model_parallel_size or 1) if pp > 1 else 1
         per_chunk = max(1, shape.num_layers // (pp * vp))
-        frac = recomputed_layer_fraction(per_chunk, recompute_method, recompute_num_layers)
+        frac = recomputed_layer_fraction(per_chunk, p.recompute_method, p.recompute_num_layers)
         # MTP layers live outside the decoder block and are not part of its checkpointing.
-        decoder_share = shape.num_layers / bd.num_attention_layers
+        decoder_share = shape.num_layers / (shape.num_layers + shape.mtp_num_layers)
         extra += bd.layer_flops * decoder_share * frac / _FWD_BWD
     return (bd.total_flops + extra) * global_batch_size * seq_length
 

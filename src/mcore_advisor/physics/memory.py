@@ -46,25 +46,49 @@ Buffers that add nothing: the distributed optimizer all-gathers parameters in pl
 param buffer (the bf16 weights already counted) and reduce-scatters in place in the grad buffer;
 gradient clipping works tensor by tensor. Not modelled: CUDA-graph pools, TE userbuffers for
 tp_comm_overlap, CPU offloading, MoE capacity-factor padding beyond `moe_token_imbalance`.
+
+One model, any number of layouts: `memory_arrays(batch)` evaluates a physics.layouts.LayoutBatch
+(the layout search's thousands of candidates) rank by rank; `memory_breakdown(plan)` is its
+one-row view. Per-layout facts (each evaluated rank's layers and parameters, `stage_table`; the
+per-layer activation bytes, `activation_table`) are computed once per distinct layout; the bytes
+per parameter are written once (`WEIGHT_BYTES_PER_PARAM`, `gradient_bytes_per_param`,
+`OPTIMIZER_BYTES_PER_PARAM`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import (
-    attention_params_per_layer,
+    attention_params_per_rank,
     linear_weights,
     mlp_params,
     norm_params,
     resolve_model,
 )
-from mcore_advisor.schemas import ModelShape, Plan, layers_per_stage, parallel_dims
+from mcore_advisor.physics.layouts import (
+    NUM_SLOTS,
+    RECOMPUTE_FULL,
+    RECOMPUTE_SELECTIVE,
+    ActivationTable,
+    Implementation,
+    LayoutBatch,
+    StageTable,
+    stage_split,
+)
+from mcore_advisor.physics.mamba import (
+    hybrid_layer_bytes,
+    hybrid_rank_params,
+    mamba_activation_bytes,
+    mamba_backward_working_bytes,
+)
+from mcore_advisor.schemas import ModelShape, Plan, layers_per_stage
 
 GIB = 1024**3
 
@@ -230,107 +254,139 @@ def layer_activation_terms(shape: ModelShape, seq_length: int, micro_batch_size:
     - MoE: router logits/probs (E per token), dispatched tokens (k per token) as fc1 input,
       expert activations, and the expert outputs the unpermute keeps for the prob gradient.
     """
-    h, n = shape.hidden_size, shape.num_attention_heads
     t, cp = o.tp, o.cp
     s_local = seq_length / cp
     tok = s_local * micro_batch_size  # tokens of one microbatch on this rank
-    sp_div = t if o.sequence_parallel and t > 1 else 1
-    gemm_in = 1.0 if o.fp8 else 2.0
-    rec = o.recompute_modules
+    c = _LayerTokens(tok=tok, sp_div=t if o.sequence_parallel and t > 1 else 1, gemm_in=1.0 if o.fp8 else 2.0,
+                     scores_per_head=micro_batch_size * s_local * seq_length)
     terms: dict[str, float] = {}
+    terms.update(_norm_terms(shape, o, c))
+    qkv, v_width = _qkv_bytes(shape, o, c)
+    terms["qkv"] = qkv
+    terms.update(_core_attention_terms(shape, o, c, v_width))
+    masks = 0.0
+    if o.hidden_dropout > 0:
+        masks += 2 * 1.0 * shape.hidden_size * tok / c.sp_div  # after attention and after MLP (bias-dropout-add)
+    terms["dropout_masks"] = masks
+    terms.update(_mlp_terms(shape, o, c, moe_layer))
+    return terms
 
-    norm_stats = (8.0 if shape.normalization == "LayerNorm" else 4.0) * tok / sp_div
-    terms["norm_inputs"] = 2 * (2.0 * h * tok / sp_div + norm_stats)
-    # 'layernorm' recompute drops the norm outputs (recomputed from the saved norm inputs).
-    terms["norm_outputs"] = 0.0 if "layernorm" in rec else 2 * gemm_in * h * tok / sp_div
 
-    a_local = n / t
+@dataclass(frozen=True, slots=True)
+class _LayerTokens:
+    """Token counts of one micro-batch on one rank, as the per-layer byte counts use them."""
+
+    tok: float  # tokens of the micro-batch on this rank (s/cp x b)
+    sp_div: int  # TP when SP shards the h-wide tensors outside the TP regions, else 1
+    gemm_in: float  # bytes per saved GEMM input element (1 with FP8)
+    scores_per_head: float  # b x s/cp x s attention scores per head
+
+
+def _norm_terms(shape: ModelShape, o: ActivationOptions, c: _LayerTokens) -> dict[str, float]:
+    h, tok = shape.hidden_size, c.tok
+    norm_stats = (8.0 if shape.normalization == "LayerNorm" else 4.0) * tok / c.sp_div
+    return {
+        "norm_inputs": 2 * (2.0 * h * tok / c.sp_div + norm_stats),
+        # 'layernorm' recompute drops the norm outputs (recomputed from the saved norm inputs).
+        "norm_outputs": 0.0 if "layernorm" in o.recompute_modules else 2 * c.gemm_in * h * tok / c.sp_div,
+    }
+
+
+def _qkv_bytes(shape: ModelShape, o: ActivationOptions, c: _LayerTokens) -> tuple[float, float]:
+    """(bytes kept of the QKV projection's output and the tensors made from it, v width)."""
+    n, t, tok, rec = shape.num_attention_heads, o.tp, c.tok, o.recompute_modules
     if shape.multi_latent_attention:
         d_qk, d_r, d_v = shape.qk_head_dim, shape.qk_pos_emb_head_dim, shape.v_head_dim
         r_q, r_kv = shape.q_lora_rank or 0, shape.kv_lora_rank
-        # Down projections and their norms are replicated over TP (not SP-sharded once gathered);
-        # up projections are column-parallel. q/k get RoPE'd copies; v is made contiguous.
-        down = 2.0 * tok * (2 * r_q + (r_kv + d_r) + r_kv)
-        up = 0.0 if "mla_up_proj" in rec else 2.0 * tok * n * ((d_qk + d_r) + (d_qk + d_v)) / t
-        qkv_final = 2.0 * tok * n * (2 * (d_qk + d_r) + d_v) / t
-        terms["qkv"] = down + up + qkv_final
-        v_width = n * d_v
-    else:
-        d, g = shape.kv_channels, shape.num_query_groups
-        q, kv = n * d, g * d
-        rope = shape.position_embedding_type == "rope"
-        if o.transformer_impl == "local" or not rope:
-            # Local spec: the attention matmul saves v, a view of the QKV GEMM output, which keeps
-            # the whole (q + 2kv)-wide tensor alive; RoPE adds new q and k tensors.
-            terms["qkv"] = 2.0 * tok * (q + 2 * kv) / t + (2.0 * tok * (q + kv) / t if rope else 0.0)
-        elif "core_attn" in rec:
-            # TE + selective core_attn: Megatron's CheckpointFunction (tensor_parallel/random.py,
-            # `ctx.save_for_backward(*args)`) keeps q, k, v exactly as attention.py's
-            # _checkpointed_attention_forward passes them: the RoPE'd q and k, and v, a view of the
-            # QKV GEMM output, which so stays alive whole. TE's contiguous v copy (get_qkv_layout)
-            # is made under no_grad and dropped. So selective costs 2*(q + kv) B/token more here
-            # than the TE branch below, minus the fp32 softmax statistics it no longer saves:
-            # measured 54.74 vs 51.76 GiB for GPT 1.3B mbs 8 (benchmarks/results).
-            terms["qkv"] = 2.0 * tok * (q + kv) / t + 2.0 * tok * (q + 2 * kv) / t
+        gemm_in, sp_div = c.gemm_in, c.sp_div
+        # Megatron MLASelfAttention (multi_latent_attention.py): the down-projections are whole on
+        # every TP rank and, with SP, run on the local sequence shard, so their outputs are s/TP
+        # long. linear_q_up_proj / linear_kv_up_proj (norm fused) save their input (q_compressed;
+        # kv_compressed, a view that keeps all of kv_combined, r_kv + d_rope, alive), the normed
+        # local shard and an fp32 rstd. The up-projection outputs are split, RoPE'd and
+        # concatenated into new query/key/value tensors without being saved; core attention
+        # saves those. With 'mla_up_proj' recompute the query/key/value are discarded after the
+        # attention forward, leaving the checkpoint's extra input, the gathered k_pos_emb.
+        stats = 4.0 * ((1 if r_q else 0) + 1)
+        down = (2.0 * r_q + gemm_in * r_q + 2.0 * (r_kv + d_r) + gemm_in * r_kv + stats) * tok / sp_div
+        if "mla_up_proj" in rec:
+            qkv_final = 2.0 * tok * d_r
         else:
-            # TE: RoPE writes q, k; TE's get_qkv_layout finds the strided v 'not_supported' and
-            # makes q, k, v contiguous (a copy of v only); FusedAttention saves those, so the QKV
-            # GEMM output is freed.
-            terms["qkv"] = 2.0 * tok * (q + 2 * kv) / t
-        v_width = q
+            qkv_final = 2.0 * tok * n * (2 * (d_qk + d_r) + d_v) / t
+        return down + qkv_final, n * d_v
+    d, g = shape.kv_channels, shape.num_query_groups
+    q, kv = n * d, g * d
+    rope = shape.position_embedding_type == "rope"
+    if o.transformer_impl == "local" or not rope:
+        # Local spec: the attention matmul saves v, a view of the QKV GEMM output, which keeps
+        # the whole (q + 2kv)-wide tensor alive; RoPE adds new q and k tensors.
+        return 2.0 * tok * (q + 2 * kv) / t + (2.0 * tok * (q + kv) / t if rope else 0.0), q
+    if "core_attn" in rec:
+        # TE + selective core_attn: Megatron's CheckpointFunction (tensor_parallel/random.py,
+        # `ctx.save_for_backward(*args)`) keeps q, k, v exactly as attention.py's
+        # _checkpointed_attention_forward passes them: the RoPE'd q and k, and v, a view of the
+        # QKV GEMM output, which so stays alive whole. TE's contiguous v copy (get_qkv_layout)
+        # is made under no_grad and dropped. So selective costs 2*(q + kv) B/token more here
+        # than the TE branch below, minus the fp32 softmax statistics it no longer saves:
+        # measured 54.74 vs 51.76 GiB for GPT 1.3B mbs 8 (benchmarks/results).
+        return 2.0 * tok * (q + kv) / t + 2.0 * tok * (q + 2 * kv) / t, q
+    # TE: RoPE writes q, k; TE's get_qkv_layout finds the strided v 'not_supported' and
+    # makes q, k, v contiguous (a copy of v only); FusedAttention saves those, so the QKV
+    # GEMM output is freed.
+    return 2.0 * tok * (q + 2 * kv) / t, q
 
-    core_recomputed = "core_attn" in rec
+
+def _core_attention_terms(shape: ModelShape, o: ActivationOptions, c: _LayerTokens, v_width: float) -> dict[str, float]:
+    t, tok = o.tp, c.tok
+    a_local = shape.num_attention_heads / t
+    core_recomputed = "core_attn" in o.recompute_modules
     if o.unfused_attention and not core_recomputed:
-        scores = a_local * micro_batch_size * s_local * seq_length
+        scores = a_local * c.scores_per_head
         probs = (4.0 + 2.0) if o.attention_softmax_in_fp32 else 2.0
         if o.attention_dropout > 0:
             # Dropout keeps its bool mask and output; the pre-dropout bf16 copy is then not saved.
             probs = (4.0 if o.attention_softmax_in_fp32 else 2.0) + 1.0 + 2.0
-        terms["attention_scores"] = probs * scores
-        terms["attention_output"] = 2.0 * tok * v_width / t  # contiguous context = proj input
-    elif o.unfused_attention or core_recomputed:
-        terms["attention_scores"] = 0.0
-        terms["attention_output"] = gemm_in * tok * v_width / t
-    else:
-        # Flash/fused: the output is saved by the attention and is the proj input (FP8 adds the
-        # 1-byte copy TE's Linear keeps); fp32 log-sum-exp per head and token.
-        terms["attention_scores"] = 4.0 * a_local * tok
-        terms["attention_output"] = 2.0 * tok * v_width / t + (1.0 * tok * v_width / t if o.fp8 else 0.0)
+        # contiguous context = proj input
+        return {"attention_scores": probs * scores, "attention_output": 2.0 * tok * v_width / t}
+    if o.unfused_attention or core_recomputed:
+        return {"attention_scores": 0.0, "attention_output": c.gemm_in * tok * v_width / t}
+    # Flash/fused: the output is saved by the attention and is the proj input (FP8 adds the
+    # 1-byte copy TE's Linear keeps); fp32 log-sum-exp per head and token.
+    return {"attention_scores": 4.0 * a_local * tok,
+            "attention_output": 2.0 * tok * v_width / t + (1.0 * tok * v_width / t if o.fp8 else 0.0)}
 
-    masks = 0.0
-    if o.hidden_dropout > 0:
-        masks += 2 * 1.0 * h * tok / sp_div  # after attention and after MLP (bias-dropout-add)
-    terms["dropout_masks"] = masks
 
+def _mlp_terms(shape: ModelShape, o: ActivationOptions, c: _LayerTokens, moe_layer: bool) -> dict[str, float]:
+    h, t, tok, gemm_in, rec = shape.hidden_size, o.tp, c.tok, c.gemm_in, o.recompute_modules
     f_mult = 2 if shape.swiglu else 1
-    if moe_layer and shape.num_experts:
-        E, k, f_e = shape.num_experts, shape.moe_router_topk, shape.moe_ffn_hidden_size
-        etp = o.etp
-        # MoE needs SP with TP > 1: the router sees the local tokens.
-        tok_moe = tok / t
-        terms["moe_router"] = (2.0 + 4.0 + 4.0 + 1.0) * E * tok_moe  # bf16 logits, fp32 scores+probs, routing map
-        # Tokens this rank's experts process: k copies of each local token on average (EP
-        # exchanges them evenly), gathered over ETP ranks; x imbalance for skewed routing.
-        n_e = tok_moe * k * etp * o.moe_token_imbalance
-        terms["moe_dispatched_tokens"] = gemm_in * h * n_e
-        if "moe" in rec:
-            act = 0.0
-        else:
-            # 'moe_act' recompute reruns the activation: its output (the fc2 input) is not kept.
-            act_in = 2.0 * f_mult * f_e * n_e / etp
-            fc2_in = 0.0 if "moe_act" in rec else gemm_in * f_e * n_e / etp
-            silu = 0.0 if o.fused_activation or not shape.swiglu else 2.0 * f_e * n_e / etp
-            act = act_in + fc2_in + silu
-        terms["moe_expert_activations"] = act
-        # moe_unpermute keeps the expert outputs to form the gradient of the routing probs.
-        terms["moe_combine"] = 2.0 * h * tok_moe * k * o.moe_token_imbalance
-        f_sh = shape.moe_shared_expert_intermediate_size
-        if f_sh and "shared_experts" not in rec:
-            terms["mlp_activations"] = _mlp_bytes(f_sh, f_mult, tok, t, gemm_in, o.fused_activation)
-        else:
-            terms["mlp_activations"] = 0.0
+    if not (moe_layer and shape.num_experts):
+        return {"mlp_activations": 0.0 if "mlp" in rec else _mlp_bytes(shape.ffn_hidden_size, f_mult, tok, t, gemm_in, o.fused_activation)}
+    terms: dict[str, float] = {}
+    E, k, f_e = shape.num_experts, shape.moe_router_topk, shape.moe_ffn_hidden_size
+    etp = o.etp
+    # MoE needs SP with TP > 1: the router sees the local tokens.
+    tok_moe = tok / t
+    terms["moe_router"] = (2.0 + 4.0 + 4.0 + 1.0) * E * tok_moe  # bf16 logits, fp32 scores+probs, routing map
+    # Tokens this rank's experts process: k copies of each local token on average (EP
+    # exchanges them evenly), gathered over ETP ranks; x imbalance for skewed routing.
+    n_e = tok_moe * k * etp * o.moe_token_imbalance
+    terms["moe_dispatched_tokens"] = gemm_in * h * n_e
+    if "moe" in rec:
+        act = 0.0
     else:
-        terms["mlp_activations"] = 0.0 if "mlp" in rec else _mlp_bytes(shape.ffn_hidden_size, f_mult, tok, t, gemm_in, o.fused_activation)
+        # 'moe_act' recompute reruns the activation: its output (the fc2 input) is not kept.
+        act_in = 2.0 * f_mult * f_e * n_e / etp
+        fc2_in = 0.0 if "moe_act" in rec else gemm_in * f_e * n_e / etp
+        silu = 0.0 if o.fused_activation or not shape.swiglu else 2.0 * f_e * n_e / etp
+        act = act_in + fc2_in + silu
+    terms["moe_expert_activations"] = act
+    # moe_unpermute keeps the expert outputs to form the gradient of the routing probs.
+    terms["moe_combine"] = 2.0 * h * tok_moe * k * o.moe_token_imbalance
+    f_sh = shape.moe_shared_expert_intermediate_size
+    if f_sh and "shared_experts" not in rec:
+        terms["mlp_activations"] = _mlp_bytes(f_sh, f_mult, tok, t, gemm_in, o.fused_activation)
+    else:
+        terms["mlp_activations"] = 0.0
     return terms
 
 
@@ -342,13 +398,16 @@ def _mlp_bytes(f: int, f_mult: int, tok: float, t: int, gemm_in: float, fused: b
     return act_in + fc2_in + silu
 
 
-def layer_backward_working_bytes(shape: ModelShape, seq_length: int, micro_batch_size: int, moe_layer: bool,
-                                 o: ActivationOptions, saved: dict[str, float]) -> float:
-    """Temporaries of one layer's backward on top of what is saved: gradient tensors in flight,
-    the SP all-gather of a GEMM input for its weight gradient, the largest bf16 weight-gradient
-    tensor (no gradient-accumulation fusion), and for unfused attention the fp32
-    softmax backward (grad in, grad out and the saved output live together: 12 B/score at the
-    softmax backward vs 6 saved, while the layer's MLP tensors are already freed).
+def layer_backward_working_pieces(shape: ModelShape, seq_length: int, micro_batch_size: float, moe_layer: bool,
+                                  o: ActivationOptions, saved: dict[str, float]) -> tuple[float, ...]:
+    """Candidates for the temporaries of one layer's backward on top of what is saved, each affine in
+    the micro-batch; the working set is the largest (`layer_backward_working_bytes`).
+
+    First: gradient tensors in flight, the SP all-gather of a GEMM input for its weight gradient
+    and the largest bf16 weight-gradient tensor (no gradient-accumulation fusion). Second, for
+    unfused attention only: the fp32 softmax backward (grad in, grad out and the saved output live
+    together: 12 B/score at the softmax backward vs 6 saved, while the layer's MLP tensors are
+    already freed).
     """
     h = shape.hidden_size
     t = o.tp
@@ -364,13 +423,19 @@ def layer_backward_working_bytes(shape: ModelShape, seq_length: int, micro_batch
     # Without gradient-accumulation fusion (it needs Apex; TE-on-gpu.md: Megatron runs here with
     # --no-gradient-accumulation-fusion) each weight gradient is a bf16 tensor added to main_grad.
     wgrad = 2.0 * h * max(f_mult * shape.ffn_hidden_size, 3 * h) / t
-    extra = grads + gather + wgrad
+    pieces: tuple[float, ...] = (grads + gather + wgrad,)
     if o.unfused_attention and "core_attn" not in o.recompute_modules:
         scores = saved.get("attention_scores", 0.0)
         coef = (12.0 / 6.0) if o.attention_softmax_in_fp32 else 2.0
         freed = saved.get("mlp_activations", 0.0) + saved.get("attention_output", 0.0)
-        extra = max(extra, scores * (coef - 1.0) - freed + grads)
-    return extra
+        pieces += (scores * (coef - 1.0) - freed + grads,)
+    return pieces
+
+
+def layer_backward_working_bytes(shape: ModelShape, seq_length: int, micro_batch_size: int, moe_layer: bool,
+                                 o: ActivationOptions, saved: dict[str, float]) -> float:
+    """Temporaries of one layer's backward on top of what is saved (the largest working piece)."""
+    return max(layer_backward_working_pieces(shape, seq_length, micro_batch_size, moe_layer, o, saved))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,15 +454,17 @@ def rank_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool
                 seq_length: int) -> RankParams:
     """Parameters on one pipeline rank holding decoder `layers` (global indices).
 
-    TP shards attention, dense MLP, shared experts, the embedding and the output layer (vocab
-    padded to make_vocab_size_divisible_by * TP); norms and the router are replicated; routed
-    experts are split over EP and each expert over ETP. With tied embeddings and PP > 1 the last
-    stage holds its own copy of the word embedding for the output layer (Megatron
-    `setup_embeddings_and_output_layer`), which the optimizer also updates.
+    TP shards attention (MLA's down-projections excepted: `attention_params_per_rank`), dense MLP,
+    shared experts, the embedding and the output layer (vocab padded to
+    make_vocab_size_divisible_by * TP); norms and the router are replicated; routed experts are
+    split over EP and each expert over ETP. With PP > 1 the last stage allocates its own output
+    layer even with tied embeddings (Megatron `setup_embeddings_and_output_layer`), which the
+    optimizer also updates, and with MTP also an embedding (GPTModel builds one where mtp_process).
+    Hybrid stages hold their layers' kinds (physics.mamba.hybrid_rank_params).
     """
     h = shape.hidden_size
     V = shape.padded_vocab_size(tp)
-    attn = attention_params_per_layer(shape)
+    attn = attention_params_per_rank(shape, tp)
     dense_mlp = mlp_params(shape, shape.ffn_hidden_size)
     norms = 2 * norm_params(shape, shape.hidden_size)
     E = shape.num_experts or 0
@@ -406,10 +473,13 @@ def rank_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool
     router = h * E if E else 0
     n_moe = sum(shape.moe_layer_pattern[i] for i in layers) if E else 0
     n_dense = len(layers) - n_moe
-    dense = (attn * len(layers) + dense_mlp * n_dense + shared * n_moe) / tp + norms * len(layers) + router * n_moe
-    fp8_eligible = (attn * len(layers) + dense_mlp * n_dense + shared * n_moe) / tp
-    experts = E * expert * n_moe / (ep * etp)
-    fp8_eligible += experts
+    if shape.is_hybrid:
+        dense, experts, fp8_eligible = hybrid_rank_params(shape, layers, tp, ep, etp)
+    else:
+        dense = attn * len(layers) + (dense_mlp * n_dense + shared * n_moe) / tp + norms * len(layers) + router * n_moe
+        fp8_eligible = attn * len(layers) + (dense_mlp * n_dense + shared * n_moe) / tp
+        experts = E * expert * n_moe / (ep * etp)
+        fp8_eligible += experts
     if first:
         dense += V * h / tp
         if shape.position_embedding_type == "learned_absolute":
@@ -421,9 +491,13 @@ def rank_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool
             dense += V * h / tp
         if shape.mtp_num_layers:
             last_moe = bool(E) and shape.moe_layer_pattern[-1] == 1
-            mtp_layer = attn / tp + norms + ((shared / tp + router) if last_moe else dense_mlp / tp)
+            mtp_layer = attn + norms + ((shared / tp + router) if last_moe else dense_mlp / tp)
             mtp_extra = 2 * h * h / tp + 3 * norm_params(shape, shape.hidden_size)
             dense += shape.mtp_num_layers * (mtp_layer + mtp_extra)
+            if not first:
+                # GPTModel builds an embedding wherever MTP runs (pre_process or mtp_process) and
+                # copies the first stage's weights into it: one more V*h/TP beside the output layer.
+                dense += V * h / tp
             if last_moe:
                 experts += shape.mtp_num_layers * E * expert / (ep * etp)
     return RankParams(dense=dense, expert=experts, fp8_eligible=fp8_eligible)
@@ -461,33 +535,9 @@ def _stage_layers(num_layers: int, pp: int, vp: int, rank: int,
     return out
 
 
-def in_flight_microbatches(pp: int, vp: int, rank: int, num_microbatches: int) -> float:
-    """Microbatches of activations a rank holds at its peak, in units of its whole layer set.
-
-    1F1B: min(PP - rank, M). Interleaved: min(2*(PP - rank - 1) + (VP - 1)*PP + 1, M*VP) model
-    chunks, i.e. that many / VP microbatches of the rank's layers (Megatron
-    `forward_backward_pipelining_with_interleaving`, microbatch_group_size_per_vp_stage = PP).
-    """
-    if pp == 1:
-        return 1.0
-    if vp > 1:
-        chunks = min(2 * (pp - rank - 1) + (vp - 1) * pp + 1, num_microbatches * vp)
-        return chunks / vp
-    return float(min(pp - rank, num_microbatches))
-
-
 # ---------------------------------------------------------------------------------------------
-# The breakdown
+# Per-layout tables (memoised: a search's many configurations share them)
 # ---------------------------------------------------------------------------------------------
-
-
-def _is_unfused(attention_backend: str) -> bool:
-    """Only Megatron's own DotProductAttention ('local') and TE's unfused path store the s x s scores.
-
-    'auto'/'flash'/'fused' use a flash-type kernel: TE's with the TE spec, torch SDPA swapped into
-    the local spec by the profile job (launcher/entry/sdpa.py), as the schema documents.
-    """
-    return attention_backend in ("unfused", "local")
 
 
 def te_dummy_wgrad_bytes(shape: ModelShape, tp: int, etp: int, *, has_dense: bool, has_moe: bool,
@@ -502,10 +552,412 @@ def te_dummy_wgrad_bytes(shape: ModelShape, tp: int, etp: int, *, has_dense: boo
         blocks.append((lw["mlp"], tp))
     if has_moe:
         blocks += [(lw["expert"], etp), (lw["shared_expert"], tp)]
+    blocks.append((lw["mamba"], tp))  # empty without Mamba layers
     shapes = {(r // t if split == 0 else r, c // t if split == 1 else c) for weights, t in blocks for r, c, split in weights}
     if output_vocab:
         shapes.add((output_vocab // tp, shape.hidden_size))
     return 2.0 * sum(r * c for r, c in shapes)
+
+
+def evaluated_ranks(pp: int) -> list[int]:
+    """The pipeline ranks the breakdown evaluates: first; rank 1, the middle rank holding the most
+    in flight (the most-loaded middle); rank PP-2, holding the fewest (the least-loaded middle, for
+    the imbalance); last. Padded to NUM_SLOTS by repeating the last."""
+    ranks = sorted({0, min(1, pp - 1), max(0, pp - 2), pp - 1})
+    return ranks + [ranks[-1]] * (NUM_SLOTS - len(ranks))
+
+
+@lru_cache(maxsize=65536)
+def _slot_layers(num_layers: int, pp: int, vp: int, first: int, last: int) -> tuple[tuple[int, ...], ...]:
+    f, la = stage_split(first, last)
+    return tuple(tuple(_stage_layers(num_layers, pp, vp, r, f, la)) for r in evaluated_ranks(pp))
+
+
+@lru_cache(maxsize=65536)
+def _stage_params_row(shape: ModelShape, seq: int, key: tuple[int, ...]) -> tuple[tuple[float, ...], ...]:
+    """(rank, layers, dense, expert, FP8-eligible, first, last) of each evaluated rank (rank_params)
+    of one layout, key = the _STAGE_KEYS values."""
+    tp, pp, vp, ep, etp, first, last = key
+    out = []
+    for r, layers in zip(evaluated_ranks(pp), _slot_layers(shape.num_layers, pp, vp, first, last), strict=True):
+        rp = rank_params(shape, list(layers), first=r == 0, last=r == pp - 1, tp=tp, ep=ep, etp=etp, seq_length=seq)
+        out.append((r, len(layers), rp.dense, rp.expert, rp.fp8_eligible, r == 0, r == pp - 1))
+    return tuple(out)
+
+
+def _per_layout(batch: LayoutBatch, names: tuple[str, ...], fn) -> tuple[list, np.ndarray]:
+    """fn(*values) once per distinct combination of the batch's `names` columns; (results, row -> result)."""
+    if len(batch) == 1:
+        return [fn(*(int(getattr(batch, n)[0]) for n in names))], np.zeros(1, dtype=np.int64)
+    keys = np.ascontiguousarray(np.stack([getattr(batch, n) for n in names], axis=1), dtype=np.int64)
+    rows = keys.view(np.dtype((np.void, keys.itemsize * keys.shape[1]))).ravel()  # one sortable key per row
+    _, first, inv = np.unique(rows, return_index=True, return_inverse=True)
+    return [fn(*(int(x) for x in keys[i])) for i in first], inv.reshape(-1)
+
+
+_STAGE_KEYS = ("tp", "pp", "vp", "ep", "etp", "first_stage_layers", "last_stage_layers")
+
+
+def stage_table(batch: LayoutBatch) -> StageTable:
+    """Parameters and layers of the evaluated pipeline ranks of every row: the one parameter count
+    (rank_params, with the embedding, output layer and MTP where they are) that memory and step
+    time both use. The batch's own table when it carries one."""
+    if batch.stages is not None:
+        return batch.stages
+    shape, seq = batch.shape, batch.seq_length
+    rows, inv = _per_layout(batch, _STAGE_KEYS, lambda *k: _stage_params_row(shape, seq, k))
+    cols = np.asarray(rows, dtype=np.float64).transpose(2, 1, 0)[..., inv]  # (field, slot, row)
+    vocabs, vinv = _per_layout(batch, ("tp",), shape.padded_vocab_size)
+    vocab = np.asarray(vocabs, dtype=np.float64)[vinv]
+    return StageTable(rank=cols[0], layers=cols[1], dense_params=cols[2], expert_params=cols[3], fp8_params=cols[4],
+                      first=cols[5] > 0, last=cols[6] > 0, padded_vocab=vocab)
+
+
+def _activation_options(batch_impl: Implementation, tp: int, cp: int, sp: int, fp8: int, ep: int, etp: int,
+                        selective: bool) -> ActivationOptions:
+    return ActivationOptions(
+        tp=tp, cp=cp, sequence_parallel=bool(sp) and tp > 1, transformer_impl=batch_impl.transformer_impl,
+        unfused_attention=batch_impl.unfused_attention, fp8=bool(fp8), fused_activation=True,
+        recompute_modules=batch_impl.selective_modules if selective else frozenset(), ep=ep, etp=etp,
+    )
+
+
+@lru_cache(maxsize=65536)
+def _layer_kinds(shape: ModelShape, seq: int, o: ActivationOptions) -> dict[str, tuple[float, tuple, tuple]]:
+    """Per layer kind ('dense', 'moe', hybrid symbols): (saved bytes per sample, working-set pieces at
+    b = 0, their slopes per sample). Saved bytes are linear in the micro-batch, the pieces affine."""
+    kinds: dict[str, tuple[float, tuple, tuple]] = {}
+    terms1 = {}
+    for name, moe in (("dense", False), ("moe", True)) if shape.is_moe else (("dense", False),):
+        t0, t1 = (layer_activation_terms(shape, seq, b, moe, o) for b in (0, 1))
+        w0, w1 = (layer_backward_working_pieces(shape, seq, b, moe, o, t) for b, t in ((0, t0), (1, t1)))
+        kinds[name] = (sum(t1.values()), w0, tuple(b - a for a, b in zip(w0, w1, strict=True)))
+        terms1[name] = t1
+    if shape.is_hybrid:
+        # One block per layer (physics.mamba); the Mamba working set joins the GPT layer's.
+        sp_div = o.tp if o.sequence_parallel and o.tp > 1 else 1
+        tok1 = seq / o.cp
+        per_symbol = hybrid_layer_bytes(shape, terms1["dense"], terms1.get("moe"),
+                                        mamba_activation_bytes(shape, tok1, o.tp, o.fp8))
+        kinds.update({sym: (v, (), ()) for sym, v in per_symbol.items()})
+        if shape.num_mamba_layers:
+            w1 = mamba_backward_working_bytes(shape, tok1, o.tp, sp_div)
+            d = kinds["dense"]
+            kinds["dense"] = (d[0], (*d[1], 0.0), (*d[2], w1))
+    return kinds
+
+
+_MAX_PIECES = 6  # dense (2, + Mamba) and MoE (2) working-set pieces
+
+
+@lru_cache(maxsize=65536)
+def _stage_activations(shape: ModelShape, seq: int, o: ActivationOptions, layers: tuple[int, ...]) -> tuple:
+    """(saved bytes per sample, working pieces (const), (slope)) of one rank's decoder layers."""
+    kinds = _layer_kinds(shape, seq, o)
+    n_moe = sum(shape.moe_layer_pattern[i] for i in layers) if shape.is_moe else 0
+    n_dense = len(layers) - n_moe
+    if shape.is_hybrid:
+        saved = sum(kinds[shape.hybrid_layer_pattern[i]][0] for i in layers)
+    else:
+        saved = n_dense * kinds["dense"][0] + n_moe * kinds.get("moe", kinds["dense"])[0]
+    used = ([kinds["dense"]] if n_dense else []) + ([kinds["moe"]] if n_moe else [])
+    const = [c for k in used for c in k[1]]
+    slope = [c for k in used for c in k[2]]
+    pad = _MAX_PIECES - len(const)
+    return saved, tuple(const) + (0.0,) * pad, tuple(slope) + (0.0,) * pad
+
+
+@lru_cache(maxsize=65536)
+def _activation_row(shape: ModelShape, seq: int, impl: Implementation, selective: bool, key: tuple[int, ...]) -> tuple:
+    tp, pp, vp, cp, ep, etp, sp, fp8, first, last = key
+    o = _activation_options(impl, tp, cp, sp, fp8, ep, etp, selective)
+    kinds = _layer_kinds(shape, seq, o)
+    mtp_kind = kinds["moe"] if shape.is_moe and shape.moe_layer_pattern[-1] else kinds["dense"]
+    out_fused = _out_fused(impl)
+    saved, const, slope, mtp, dummies = [], [], [], [], []
+    for r, layers in zip(evaluated_ranks(pp), _slot_layers(shape.num_layers, pp, vp, first, last), strict=True):
+        a = _stage_activations(shape, seq, o, layers)
+        saved.append(a[0])
+        const.append(a[1])
+        slope.append(a[2])
+        n_moe = sum(shape.moe_layer_pattern[i] for i in layers) if shape.is_moe else 0
+        is_last = r == pp - 1
+        mtp.append(shape.mtp_num_layers * mtp_kind[0] if is_last else 0.0)
+        dummies.append(te_dummy_wgrad_bytes(shape, tp, etp, has_dense=len(layers) > n_moe, has_moe=n_moe > 0,
+                                            output_vocab=shape.padded_vocab_size(tp) if is_last and out_fused else None))
+    return saved, const, slope, mtp, dummies
+
+
+_ACTIVATION_KEYS = ("tp", "pp", "vp", "cp", "ep", "etp", "sequence_parallel", "fp8", "first_stage_layers",
+                    "last_stage_layers")
+
+
+def activation_table(batch: LayoutBatch, selective: bool) -> ActivationTable:
+    """Saved activations and backward working sets of the evaluated ranks of every row, for no
+    recompute / full recompute (selective False) or the batch's selective modules."""
+    own = batch.activations_selective if selective else batch.activations
+    if own is not None:
+        return own
+    shape, seq, impl = batch.shape, batch.seq_length, batch.impl
+    rows, inv = _per_layout(batch, _ACTIVATION_KEYS, lambda *k: _activation_row(shape, seq, impl, selective, k))
+    saved, const, slope, mtp, dummies = (np.asarray([r[i] for r in rows], dtype=np.float64) for i in range(5))
+    pieces = max(1, int(np.flatnonzero(np.any((const != 0) | (slope != 0), axis=(0, 1))).max(initial=0)) + 1)
+    const, slope = const[..., :pieces], slope[..., :pieces]  # the padding no row uses
+    return ActivationTable(saved=saved.T[:, inv], work_const=const.transpose(2, 1, 0)[..., inv],
+                           work_slope=slope.transpose(2, 1, 0)[..., inv], mtp=mtp.T[:, inv], te_dummy_wgrad=dummies.T[:, inv])
+
+
+# ---------------------------------------------------------------------------------------------
+# The vectorised breakdown: every evaluated rank of every row of a LayoutBatch
+# ---------------------------------------------------------------------------------------------
+
+WEIGHT_BYTES_PER_PARAM = 2.0
+"""bf16 model weights (Megatron's Float16Module; DDP's param buffer holds the same tensors)."""
+OPTIMIZER_BYTES_PER_PARAM = 12.0
+"""fp32 main parameters + Adam m and v (Megatron's mixed-precision and distributed optimizers)."""
+FP8_CACHE_BYTES_PER_PARAM = 2.0
+"""TE's FP8 copy of a weight and its transpose (1 B each), cached for all micro-batches of a step."""
+
+
+def gradient_bytes_per_param(grad_reduce_in_fp32: bool) -> float:
+    """DDP's gradient buffer (main_grad): fp32 with --grad-reduce-in-fp32 (Megatron's default), else bf16."""
+    return 4.0 if grad_reduce_in_fp32 else 2.0
+
+
+def model_state_bytes_per_param(grad_reduce_in_fp32: bool) -> float:
+    """Weights + gradient buffer + optimizer state of one parameter held unsharded."""
+    return WEIGHT_BYTES_PER_PARAM + gradient_bytes_per_param(grad_reduce_in_fp32) + OPTIMIZER_BYTES_PER_PARAM
+
+
+def _out_fused(impl: Implementation) -> bool:
+    """Whether the output layer's weight gradient is fused too (a cached dummy instead of a bf16 tensor)."""
+    return _fused_dummies(impl) and impl.output_layer_wgrad_fusion is not False
+
+
+def _fused_dummies(impl: Implementation) -> bool:
+    return impl.gradient_accumulation_fusion and impl.transformer_impl == "transformer_engine" and not impl.use_torch_fsdp2
+
+
+@dataclass(frozen=True)
+class _ModelState:
+    weights: np.ndarray
+    gradients: np.ndarray
+    optimizer: np.ndarray
+    step_transient: np.ndarray  # temporaries of the optimizer step
+
+
+def _model_state(b: LayoutBatch, st: StageTable) -> _ModelState:
+    """Weights, gradient buffer and optimizer state of each evaluated rank, and the step's temporaries."""
+    im = b.impl
+    n_params = st.dense_params + st.expert_params
+    dp_opt, edp = b.dp * b.cp, b.expert_dp
+    grad_b = gradient_bytes_per_param(im.grad_reduce_in_fp32)
+    mx = 1 / 16 if im.fp8_recipe == "mxfp8" else 0.0
+    weights = WEIGHT_BYTES_PER_PARAM * n_params
+    # TE caches the FP8 weight and its transpose for all microbatches of a step (with
+    # --fp8-param-gather the FP8 param (1 B) and its transpose (1 B) replace the bf16 copy).
+    weights = weights + np.where(b.fp8 & (not im.fp8_param_gather), FP8_CACHE_BYTES_PER_PARAM * st.fp8_params * (1.0 + mx), 0.0)
+    grads = grad_b * n_params
+    sharded = st.dense_params / dp_opt + st.expert_params / edp
+    if im.use_torch_fsdp2:
+        # params, grads and optimizer state sharded over DP*CP; 2 layers unsharded in flight (coarse)
+        layer_params = n_params / np.maximum(1.0, st.layers)
+        weights = weights / dp_opt + 2 * WEIGHT_BYTES_PER_PARAM * layer_params
+        grads = grads / dp_opt + 2 * grad_b * layer_params
+        optim = OPTIMIZER_BYTES_PER_PARAM * n_params / dp_opt
+        held = sharded
+    else:
+        dist = b.use_distributed_optimizer
+        optim = np.where(dist, OPTIMIZER_BYTES_PER_PARAM * st.dense_params / dp_opt
+                         + OPTIMIZER_BYTES_PER_PARAM * st.expert_params / edp, OPTIMIZER_BYTES_PER_PARAM * n_params)
+        held = np.where(dist, sharded, n_params)
+    # torch _multi_tensor_adam's sqrt(v) temporary per param group (local spec); fp32 copies of bf16
+    # grads for the main params (bf16 gradient buffer).
+    step = (4.0 * held if im.transformer_impl == "local" else 0.0) + (0.0 if im.grad_reduce_in_fp32 else 4.0 * held)
+    return _ModelState(weights, grads, optim, step + np.zeros_like(weights))
+
+
+def in_flight_microbatches(pp, vp, rank, num_microbatches):
+    """Microbatches of activations a rank holds at its peak, in units of its whole layer set
+    (numbers or numpy arrays).
+
+    1F1B: min(PP - rank, M). Interleaved: min(2*(PP - rank - 1) + (VP - 1)*PP + 1, M*VP) model
+    chunks, i.e. that many / VP microbatches of the rank's layers (Megatron
+    `forward_backward_pipelining_with_interleaving`, microbatch_group_size_per_vp_stage = PP).
+    """
+    interleaved = np.minimum(2 * (pp - rank - 1) + (vp - 1) * pp + 1, num_microbatches * vp) / np.maximum(vp, 1)
+    out = np.where(pp <= 1, 1.0, np.where(vp > 1, interleaved, np.minimum(pp - rank, num_microbatches)))
+    return float(out) if np.ndim(out) == 0 else out.astype(np.float64)
+
+
+@dataclass(frozen=True)
+class _Activations:
+    activations: np.ndarray
+    transient: np.ndarray
+    in_flight: np.ndarray
+    block_slope: np.ndarray  # bytes one more block-recomputed layer per chunk saves at the peak
+    per_chunk: np.ndarray
+
+
+def _last_stage_transient(b: LayoutBatch, st: StageTable, tok: np.ndarray) -> np.ndarray:
+    """Largest temporary at the loss: logits + the cross-entropy buffers (per output head), or the
+    output layer's backward (logits, its bf16 weight gradient unless fused, the input gradient)."""
+    im, h, V, tp = b.impl, b.shape.hidden_size, st.padded_vocab, b.tp
+    logits = 2.0 * V * tok / tp
+    te_ce = im.cross_entropy_loss_fusion and im.cross_entropy_fusion_impl == "te"
+    ce_peak = cross_entropy_peak_bytes_per_logit(im.cross_entropy_loss_fusion, im.cross_entropy_fusion_impl) / 2.0 * logits
+    # bf16 output-layer weight gradient before main_grad.add_ (a cached dummy when fused)
+    out_wgrad = 0.0 if _out_fused(im) else 2.0 * V * h / tp
+    bwd_peak = logits + out_wgrad + 2.0 * h * tok
+    heads = b.shape.mtp_num_layers * (logits if te_ce else 2.0 * logits)
+    return np.maximum(ce_peak * 1.0 + heads, bwd_peak)
+
+
+def _activations(b: LayoutBatch, st: StageTable, act: ActivationTable, R: np.ndarray) -> _Activations:
+    """Saved activations of the in-flight micro-batches and the largest temporary of each evaluated
+    rank. Full recompute keeps a checkpointed input per layer group (uniform) or per recomputed
+    layer (block, R = layers per chunk) and adds the recompute working set."""
+    h, s, mbs = b.shape.hidden_size, b.seq_length, b.micro_batch_size
+    tok = s / b.cp * mbs
+    sp_div = np.where(b.sp, b.tp, 1)
+    full, block = b.recompute == RECOMPUTE_FULL, b.recompute_block
+    saved = act.saved * mbs
+    work = np.max(act.work_const + act.work_slope * mbs, axis=0)
+    per_layer = saved / np.maximum(1.0, st.layers)
+    per_chunk = np.maximum(1.0, st.layers // b.vp)
+    ckpt = 2.0 * h * tok / sp_div  # a checkpointed layer input
+    per_mb = saved
+    if full.any():
+        rec = np.minimum(R, per_chunk)
+        saved_block = b.vp * (rec * ckpt + (per_chunk - rec) * per_layer)
+        saved_uniform = b.vp * np.ceil(per_chunk / np.maximum(R, 1.0)) * ckpt
+        work_full = np.where(block, per_layer, per_layer * np.minimum(R, per_chunk)) + work
+        per_mb = np.where(full, np.where(block, saved_block, saved_uniform), saved)
+        work = np.where(full, work_full, work)
+    per_mb = per_mb + np.where(st.first, 16.0 * tok, 0.0)  # token and position ids kept for the embedding backward
+    infl = in_flight_microbatches(b.pp, b.vp, st.rank, b.num_microbatches)
+    acts = infl * per_mb
+    # final norm input + output-layer input; labels, mask; the MTP layers' activations
+    acts = acts + np.where(st.last, 2.0 * h * tok / sp_div * 2 + 12.0 * tok, 0.0)
+    acts = acts + np.where(st.last, act.mtp * mbs, 0.0)
+    transient = np.where(st.last, np.maximum(work, _last_stage_transient(b, st, tok)), work)
+    return _Activations(acts, transient, infl, infl * b.vp * (per_layer - ckpt), per_chunk)
+
+
+def _buffers(b: LayoutBatch, act: ActivationTable) -> np.ndarray:
+    """Persistent buffers inside PyTorch's allocator: cuBLAS workspace and small tensors, TE's dummy
+    weight gradients, and the local spec's global memory buffer: the unfused attention's baddbmm
+    input [b*n/t, s, s] bf16 and the SP all-gather buffer share one name, sized by the larger."""
+    im, s, h = b.impl, b.seq_length, b.shape.hidden_size
+    buffers = float(MISC_ALLOCATED_BYTES) + (act.te_dummy_wgrad if _fused_dummies(im) else 0.0)
+    if im.transformer_impl == "local":
+        tok = s / b.cp * b.micro_batch_size
+        gbuf = 2.0 * (b.shape.num_attention_heads / b.tp) * b.micro_batch_size * (s / b.cp) * s if im.unfused_attention else 0.0
+        buffers = buffers + np.where(b.sp, np.maximum(gbuf, 2.0 * h * tok), gbuf)
+    return buffers + np.zeros_like(act.saved)
+
+
+@dataclass(frozen=True)
+class MemoryArrays:
+    """Memory of every row of a LayoutBatch: bytes per evaluated rank (arrays (NUM_SLOTS, n), slot
+    order of `evaluated_ranks`) and per row on its most-loaded rank (arrays (n,))."""
+
+    stages: StageTable
+    in_flight: np.ndarray
+    weights: np.ndarray
+    gradients: np.ndarray
+    optimizer: np.ndarray
+    activations: np.ndarray
+    transient: np.ndarray
+    buffers: np.ndarray
+    step_transient: np.ndarray
+    peak_allocated: np.ndarray
+    most_loaded: np.ndarray  # slot index of the most-loaded rank (the first of equals)
+    peak_allocated_bytes: np.ndarray
+    fragmentation_bytes: np.ndarray
+    non_pytorch_gib: np.ndarray
+    total_gib: np.ndarray
+
+
+def _recompute_layers(b: LayoutBatch) -> np.ndarray:
+    """Layers per uniform group or per chunk in block recompute; Megatron's default 1 when unset."""
+    return np.where(b.recompute_num_layers > 0, b.recompute_num_layers, 1).astype(np.float64)
+
+
+def _tables(b: LayoutBatch) -> tuple[StageTable, ActivationTable]:
+    st = stage_table(b)
+    sel = b.recompute == RECOMPUTE_SELECTIVE
+    if not sel.any():
+        return st, activation_table(b, False)
+    if sel.all():
+        return st, activation_table(b, True)
+    none, chosen = activation_table(b, False), activation_table(b, True)
+    return st, ActivationTable(**{f: np.where(sel, getattr(chosen, f), getattr(none, f))
+                                  for f in ("saved", "work_const", "work_slope", "mtp", "te_dummy_wgrad")})
+
+
+def non_pytorch_gib(b: LayoutBatch) -> np.ndarray:
+    """CUDA context + NCCL buffers of every communicator the rank belongs to with >= 2 ranks (and the
+    embedding group of the first and last stage with PP > 1): outside PyTorch's allocator."""
+    comms = ((b.tp > 1).astype(np.int64) + (b.pp > 1) + (b.cp > 1) + (b.dp > 1) + (b.ep > 1)
+             + ((b.etp > 1) if b.shape.is_moe else 0) + (b.pp > 1))
+    return CUDA_CONTEXT_GIB + NCCL_PER_COMMUNICATOR_GIB * comms
+
+
+def _fragmentation(b: LayoutBatch) -> np.ndarray:
+    pipelined = (b.pp > 1) | (b.recompute == RECOMPUTE_FULL)
+    es = b.impl.expandable_segments
+    return np.where(pipelined, fragmentation_fraction(expandable_segments=es, pipelined_or_full_recompute=True),
+                    fragmentation_fraction(expandable_segments=es, pipelined_or_full_recompute=False))
+
+
+def memory_arrays(b: LayoutBatch) -> MemoryArrays:
+    """The memory model on a batch of layouts (memory_breakdown is its one-row view)."""
+    st, act = _tables(b)
+    ms = _model_state(b, st)
+    a = _activations(b, st, act, _recompute_layers(b))
+    buffers = _buffers(b, act)
+    static = ms.weights + ms.gradients + ms.optimizer + buffers
+    peak = np.maximum(static + a.activations + a.transient, static + ms.step_transient)
+    top = np.argmax(peak, axis=0)
+    peak_row = peak[top, np.arange(len(b))]
+    frag = _fragmentation(b) * peak_row
+    non_pt = non_pytorch_gib(b)
+    return MemoryArrays(
+        stages=st, in_flight=a.in_flight, weights=ms.weights, gradients=ms.gradients, optimizer=ms.optimizer,
+        activations=a.activations, transient=a.transient, buffers=buffers, step_transient=ms.step_transient,
+        peak_allocated=peak, most_loaded=top, peak_allocated_bytes=peak_row, fragmentation_bytes=frag,
+        non_pytorch_gib=non_pt, total_gib=(peak_row + frag) / GIB + non_pt,
+    )
+
+
+def block_recompute_layers_to_fit(b: LayoutBatch, budget_gib: float) -> np.ndarray:
+    """The fewest layers per chunk that full 'block' recompute must rerun for each row to fit in
+    `budget_gib` (inf where no count does). On every rank the forward/backward peak falls linearly
+    with that count (each recomputed layer keeps only its checkpointed input): peak(k) = C - k*D."""
+    st, act = _tables(b)
+    ms = _model_state(b, st)
+    a = _activations(b, st, act, np.zeros(len(b)))
+    buffers = _buffers(b, act)
+    static = ms.weights + ms.gradients + ms.optimizer + buffers
+    peak_max = (budget_gib - non_pytorch_gib(b)) * GIB / (1.0 + _fragmentation(b))
+    C, D = static + a.activations + a.transient, a.block_slope
+    need = np.where(D > 0, np.ceil((C - peak_max) / np.where(D > 0, D, 1.0)), np.where(C <= peak_max, 0.0, np.inf))
+    need = np.maximum(need, 1.0)
+    ok = (need <= a.per_chunk) & (static + ms.step_transient <= peak_max)
+    return np.where(ok.all(axis=0), need.max(axis=0), np.inf)
+
+
+def model_state_gib(b: LayoutBatch) -> np.ndarray:
+    """Weights, gradient buffer and optimizer state of each row's most-loaded evaluated rank, with the
+    allocator's fragmentation margin (GiB): a lower bound of what the row needs (no activations)."""
+    ms = _model_state(b, stage_table(b))
+    return (ms.weights + ms.gradients + ms.optimizer).max(axis=0) * (1.0 + _fragmentation(b)) / GIB
+
+
+# ---------------------------------------------------------------------------------------------
+# The breakdown of one plan
+# ---------------------------------------------------------------------------------------------
 
 
 def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native", "te"] | None = None,
@@ -520,21 +972,61 @@ def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native",
     (Megatron's --cross-entropy-fusion-impl); it matters only with cross_entropy_loss_fusion. See
     `cross_entropy_peak_bytes_per_logit` for what each implementation holds at the loss.
     Raises KeyError/ValueError (naming the plan field) for an unknown model or GPU.
+    A one-row view of `memory_arrays`, the function the layout search runs on thousands of rows.
     """
     shape = resolve_model(plan.model)
-    dims = parallel_dims(plan)
-    tr, par, im = plan.training, plan.parallelism, plan.implementation
     g = gpu(plan.cluster.gpu)
     capacity = plan.cluster.gpu_memory_gib or g.hbm_capacity_gib
-    tp, pp, vp, cp = dims.tp, dims.pp, dims.vp, dims.cp
-    s, b = tr.seq_length, tr.micro_batch_size
-    M = max(1, tr.global_batch_size // (b * dims.dp))
-    fp8 = tr.precision == "fp8"
-    sp = par.sequence_parallel and tp > 1
-    unfused = _is_unfused(im.attention_backend)
-    if cross_entropy_fusion_impl is None:
-        cross_entropy_fusion_impl = im.cross_entropy_fusion_impl
-    assumptions: list[str] = [
+    overrides: dict = {"output_layer_wgrad_fusion": output_layer_wgrad_fusion}
+    if cross_entropy_fusion_impl is not None:
+        overrides["cross_entropy_fusion_impl"] = cross_entropy_fusion_impl
+    batch = LayoutBatch.from_plan(plan, shape, **overrides)
+    m = memory_arrays(batch)
+    stages = _stage_memories(m, int(batch.pp[0]))
+    top = stages[int(m.most_loaded[0])]
+    peak = float(m.peak_allocated_bytes[0])
+    at_step = top.weights_bytes + top.gradients_bytes + top.optimizer_bytes + top.buffers_bytes + top.optimizer_step_transient_bytes
+    reserved_gib = (peak + float(m.fragmentation_bytes[0])) / GIB
+    non_pt = float(m.non_pytorch_gib[0])
+    total = reserved_gib + non_pt
+    return MemoryBreakdown(
+        most_loaded_pipeline_rank=top.pipeline_rank, most_loaded_role=top.role,
+        weights_gib=top.weights_bytes / GIB, gradients_gib=top.gradients_bytes / GIB, optimizer_gib=top.optimizer_bytes / GIB,
+        activations_gib=top.activations_bytes / GIB, transient_gib=top.transient_bytes / GIB, buffers_gib=top.buffers_bytes / GIB,
+        optimizer_step_transient_gib=top.optimizer_step_transient_bytes / GIB,
+        peak_phase="optimizer_step" if at_step >= peak else "forward_backward",
+        peak_allocated_gib=peak / GIB, fragmentation_gib=float(m.fragmentation_bytes[0]) / GIB,
+        peak_reserved_gib=reserved_gib, non_pytorch_gib=non_pt, total_gib=total, capacity_gib=capacity,
+        fits=total <= capacity, headroom_gib=capacity - total, stages=stages,
+        assumptions=_assumptions(batch.impl),
+    )
+
+
+def _stage_memories(m: MemoryArrays, pp: int) -> list[StageMemory]:
+    """One StageMemory per distinct evaluated rank of a one-row MemoryArrays."""
+    out = []
+    st = m.stages
+    for i in range(len(set(evaluated_ranks(pp)))):
+        r = int(st.rank[i, 0])
+        n_params = float(st.dense_params[i, 0] + st.expert_params[i, 0])
+        out.append(StageMemory(
+            pipeline_rank=r,
+            role="only" if pp == 1 else ("first" if r == 0 else ("last" if r == pp - 1 else "middle")),
+            num_layers=int(st.layers[i, 0]),
+            in_flight_microbatches=float(m.in_flight[i, 0]),
+            num_params=int(round(n_params)),
+            weights_bytes=float(m.weights[i, 0]), gradients_bytes=float(m.gradients[i, 0]),
+            optimizer_bytes=float(m.optimizer[i, 0]), activations_bytes=float(m.activations[i, 0]),
+            transient_bytes=float(m.transient[i, 0]), buffers_bytes=float(m.buffers[i, 0]),
+            optimizer_step_transient_bytes=float(m.step_transient[i, 0]),
+            peak_allocated_bytes=float(m.peak_allocated[i, 0]),
+        ))
+    return out
+
+
+def _assumptions(im: Implementation) -> list[str]:
+    ce = im.cross_entropy_fusion_impl
+    out = [
         "dropout 0 (hidden and attention), as modern LLM recipes use",
         "fused bias-activation (Megatron-LM default); local spec: torch softmax and torch AdamW (foreach); "
         "TE spec: TE FusedAdam",
@@ -542,177 +1034,11 @@ def memory_breakdown(plan: Plan, *, cross_entropy_fusion_impl: Literal["native",
          "weight gradient per distinct weight shape" if im.gradient_accumulation_fusion and im.transformer_impl == "transformer_engine"
          else "no gradient-accumulation fusion: each bf16 weight gradient is a transient before main_grad.add_"),
         "cross entropy: "
-        + (f"fused, {cross_entropy_fusion_impl} implementation" if im.cross_entropy_loss_fusion else "unfused (vocab_parallel_cross_entropy)")
-        + f" ({cross_entropy_peak_bytes_per_logit(im.cross_entropy_loss_fusion, cross_entropy_fusion_impl):g} B/logit at the loss)",
+        + (f"fused, {ce} implementation" if im.cross_entropy_loss_fusion else "unfused (vocab_parallel_cross_entropy)")
+        + f" ({cross_entropy_peak_bytes_per_logit(im.cross_entropy_loss_fusion, ce):g} B/logit at the loss)",
     ]
-
-    rec_modules: set[str] = set()
-    full = par.recompute_granularity == "full"
-    if par.recompute_granularity == "selective":
-        rec_modules = set(par.recompute_modules or ["core_attn"])
-    opts = ActivationOptions(
-        tp=tp, cp=cp, sequence_parallel=sp, transformer_impl=im.transformer_impl, unfused_attention=unfused,
-        fp8=fp8, fused_activation=True,
-        recompute_modules=frozenset(rec_modules), ep=dims.ep, etp=dims.etp,
-    )
-    if unfused:
-        assumptions.append("attention_softmax_in_fp32 = True (TransformerConfig default): 6 B per attention score saved")
-
-    dense_terms = layer_activation_terms(shape, s, b, False, opts)
-    dense_layer = sum(dense_terms.values())
-    dense_work = layer_backward_working_bytes(shape, s, b, False, opts, dense_terms)
-    if shape.is_moe:
-        moe_terms = layer_activation_terms(shape, s, b, True, opts)
-        moe_layer = sum(moe_terms.values())
-        moe_work = layer_backward_working_bytes(shape, s, b, True, opts, moe_terms)
-    else:
-        moe_layer, moe_work = dense_layer, dense_work
-
-    tok = s / cp * b
-    sp_div = tp if sp else 1
-    h = shape.hidden_size
-    V = shape.padded_vocab_size(tp)
-    ckpt_input = 2.0 * h * tok / sp_div  # a checkpointed layer input (full recompute)
-
-    grad_bytes = 4.0 if im.grad_reduce_in_fp32 else 2.0
-    dp_opt = dims.dp * cp
-    fsdp = im.use_torch_fsdp2
-    fused_dummies = im.gradient_accumulation_fusion and im.transformer_impl == "transformer_engine" and not fsdp
-    out_fused = fused_dummies and output_layer_wgrad_fusion is not False
-    if fsdp:
-        assumptions.append("FSDP: params, grads and optimizer state sharded over DP*CP; 2 layers unsharded in flight (coarse)")
-    # Ranks to evaluate: first; rank 1, the middle rank holding the most in flight (the most-loaded
-    # middle); rank PP-2, holding the fewest (the least-loaded middle, for the imbalance); last.
-    ranks = sorted({0, min(1, pp - 1), max(0, pp - 2), pp - 1})
-    stages: list[StageMemory] = []
-    for r in ranks:
-        layers = _stage_layers(shape.num_layers, pp, vp, r, par.decoder_first_pipeline_num_layers,
-                               par.decoder_last_pipeline_num_layers)
-        first, last = r == 0, r == pp - 1
-        rp = rank_params(shape, layers, first=first, last=last, tp=tp, ep=dims.ep, etp=dims.etp, seq_length=s)
-        n_params = rp.dense + rp.expert
-        # --- model state
-        weights = 2.0 * n_params
-        if fp8 and not tr.fp8_param_gather:
-            # TE caches the FP8 weight and its transpose for all microbatches of a step (with
-            # --fp8-param-gather the FP8 param (1 B) and its transpose (1 B) replace the bf16 copy).
-            weights += 2.0 * rp.fp8_eligible * (1.0 + (1 / 16 if tr.fp8_recipe == "mxfp8" else 0.0))
-        grads = grad_bytes * n_params
-        if par.use_distributed_optimizer and not fsdp:
-            optim = 12.0 * rp.dense / dp_opt + 12.0 * rp.expert / max(1, dims.expert_dp)
-        else:
-            optim = 12.0 * n_params
-        if fsdp:
-            weights, grads, optim = weights / dp_opt, grads / dp_opt, 12.0 * n_params / dp_opt
-            layer_params = n_params / max(1, len(layers))
-            weights += 2 * 2.0 * layer_params
-            grads += 2 * grad_bytes * layer_params
-        # --- optimizer step temporaries
-        opt_held = (rp.dense / dp_opt + rp.expert / max(1, dims.expert_dp)) if (par.use_distributed_optimizer or fsdp) else n_params
-        step_tmp = 0.0
-        if im.transformer_impl == "local":
-            step_tmp += 4.0 * opt_held  # torch _multi_tensor_adam: sqrt(v) temporary per param group
-        if not im.grad_reduce_in_fp32:
-            step_tmp += 4.0 * opt_held  # fp32 copies of bf16 grads for the main params
-        # --- activations
-        n_moe = sum(shape.moe_layer_pattern[i] for i in layers) if shape.is_moe else 0
-        n_dense = len(layers) - n_moe
-        per_mb_full = n_dense * dense_layer + n_moe * moe_layer
-        work = max(dense_work if n_dense else 0.0, moe_work if n_moe else 0.0)
-        if full:
-            per_chunk = max(1, len(layers) // vp)
-            R = par.recompute_num_layers or 1
-            if par.recompute_method == "block":
-                rec_per_chunk = min(R, per_chunk)
-                saved = vp * (rec_per_chunk * ckpt_input + (per_chunk - rec_per_chunk) * per_mb_full / max(1, len(layers)))
-                recompute_ws = per_mb_full / max(1, len(layers)) * 1 + work
-            else:
-                groups = math.ceil(per_chunk / R)
-                saved = vp * groups * ckpt_input
-                recompute_ws = per_mb_full / max(1, len(layers)) * min(R, per_chunk) + work
-            per_mb = saved
-            work = recompute_ws
-        else:
-            per_mb = per_mb_full
-        if first:
-            per_mb += 16.0 * tok  # token and position ids kept for the embedding backward
-        infl = in_flight_microbatches(pp, vp, r, M)
-        acts = infl * per_mb
-        transient = work
-        if last:
-            acts += 2.0 * h * tok / sp_div * 2 + 12.0 * tok  # final norm input + output-layer input; labels, mask
-            logits = 2.0 * V * tok / tp
-            te_ce = im.cross_entropy_loss_fusion and cross_entropy_fusion_impl == "te"
-            ce_peak = cross_entropy_peak_bytes_per_logit(im.cross_entropy_loss_fusion, cross_entropy_fusion_impl) / 2.0 * logits
-            # bf16 output-layer weight gradient before main_grad.add_ (a cached dummy when fused)
-            out_wgrad = 0.0 if out_fused else 2.0 * V * h / tp
-            bwd_peak = logits + out_wgrad + 2.0 * h * tok
-            n_heads_out = 1 + shape.mtp_num_layers
-            transient = max(transient, ce_peak * 1.0 + (n_heads_out - 1) * (logits if te_ce else 2.0 * logits), bwd_peak)
-            if shape.mtp_num_layers:
-                acts += shape.mtp_num_layers * (moe_layer if shape.is_moe and shape.moe_layer_pattern[-1] else dense_layer)
-        buffers = float(MISC_ALLOCATED_BYTES)
-        if fused_dummies:
-            buffers += te_dummy_wgrad_bytes(shape, tp, dims.etp, has_dense=n_dense > 0, has_moe=n_moe > 0,
-                                            output_vocab=V if last and out_fused else None)
-        if im.transformer_impl == "local":
-            # Megatron's global memory buffer ("mpu"): the unfused attention's baddbmm input
-            # [b*n/t, s, s] bf16 and the SP all-gather buffer share one name, sized by the larger.
-            gbuf = 0.0
-            if unfused:
-                gbuf = 2.0 * (shape.num_attention_heads / tp) * b * (s / cp) * s
-            if sp:
-                gbuf = max(gbuf, 2.0 * h * tok)
-            buffers += gbuf
-        static = weights + grads + optim + buffers
-        fb_peak = static + acts + transient
-        step_peak = static + step_tmp
-        stages.append(StageMemory(
-            pipeline_rank=r,
-            role="only" if pp == 1 else ("first" if first else ("last" if last else "middle")),
-            num_layers=len(layers),
-            in_flight_microbatches=infl,
-            num_params=int(round(n_params)),
-            weights_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim,
-            activations_bytes=acts, transient_bytes=transient, buffers_bytes=buffers,
-            optimizer_step_transient_bytes=step_tmp,
-            peak_allocated_bytes=max(fb_peak, step_peak),
-        ))
-
-    top = max(stages, key=lambda st: st.peak_allocated_bytes)
-    peak = top.peak_allocated_bytes
-    phase: Literal["forward_backward", "optimizer_step"] = (
-        "optimizer_step"
-        if top.weights_bytes + top.gradients_bytes + top.optimizer_bytes + top.buffers_bytes + top.optimizer_step_transient_bytes >= peak
-        else "forward_backward"
-    )
-    frag_frac = fragmentation_fraction(expandable_segments=im.expandable_segments, pipelined_or_full_recompute=pp > 1 or full)
-    frag = frag_frac * peak
-    comms = sum(1 for size in (tp, pp, cp, dims.dp, dims.ep, dims.etp if shape.is_moe else 1) if size > 1)
-    if pp > 1:
-        comms += 1  # embedding group (first + last stage)
-    non_pt = CUDA_CONTEXT_GIB + NCCL_PER_COMMUNICATOR_GIB * comms
-    reserved_gib = (peak + frag) / GIB
-    total = reserved_gib + non_pt
-    return MemoryBreakdown(
-        most_loaded_pipeline_rank=top.pipeline_rank,
-        most_loaded_role=top.role,
-        weights_gib=top.weights_bytes / GIB,
-        gradients_gib=top.gradients_bytes / GIB,
-        optimizer_gib=top.optimizer_bytes / GIB,
-        activations_gib=top.activations_bytes / GIB,
-        transient_gib=top.transient_bytes / GIB,
-        buffers_gib=top.buffers_bytes / GIB,
-        optimizer_step_transient_gib=top.optimizer_step_transient_bytes / GIB,
-        peak_phase=phase,
-        peak_allocated_gib=peak / GIB,
-        fragmentation_gib=frag / GIB,
-        peak_reserved_gib=reserved_gib,
-        non_pytorch_gib=non_pt,
-        total_gib=total,
-        capacity_gib=capacity,
-        fits=total <= capacity,
-        headroom_gib=capacity - total,
-        stages=stages,
-        assumptions=assumptions,
-    )
+    if im.unfused_attention:
+        out.append("attention_softmax_in_fp32 = True (TransformerConfig default): 6 B per attention score saved")
+    if im.use_torch_fsdp2:
+        out.append("FSDP: params, grads and optimizer state sharded over DP*CP; 2 layers unsharded in flight (coarse)")
+    return out

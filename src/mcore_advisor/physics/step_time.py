@@ -6,13 +6,13 @@ step_time(plan) -> PerfEstimate
     Predicted iteration time with a per-term breakdown, tokens/s/GPU, model TFLOP/s/GPU in both
     FLOP conventions ('causal', 'full'), MFU against the dense BF16 peak (and, for FP8 runs, also
     against the dense FP8 peak), HFU (recomputed forward counted). Never reads published runs.
-step_time_arrays(shape, hardware, seq_length, global_batch_size, **layout) -> dict[str, ndarray]
-    The same model on plain numbers: every layout argument (tp, pp, dp, cp, ep, etp, vp,
-    micro_batch_size, sequence_parallel, recompute, ...) may be a numpy array; they broadcast, so
-    one call scores thousands of candidate layouts (a recommender's inner loop). Returns
-    `iteration_time_s`, `tokens_per_s_per_gpu` and every breakdown term as arrays.
-    `hardware_params(plan.cluster)` gives the `hardware` argument; resolve the shape once.
-    Divisibility and memory are not checked here (validators.layout_errors and physics.memory do).
+step_time_arrays(batch, hardware) -> dict[str, ndarray]
+    The same model on a physics.layouts.LayoutBatch: one row per candidate layout (TP, PP, DP, CP,
+    EP, ETP, VP, micro-batch, SP, precision, recompute, ... as arrays), so one call scores thousands
+    of candidate layouts (the layout search). Returns `iteration_time_s`, `tokens_per_s_per_gpu`
+    and every breakdown term as arrays. `hardware_params(plan.cluster)` gives the `hardware`
+    argument. Divisibility and memory are not checked here (validators.layout_errors and
+    physics.memory do).
 
 Model (per GPU of the slowest pipeline stage, per micro-batch, then the 1F1B schedule):
 - GEMMs: per-GEMM time on its real (M, N, K) after TP/CP/EP splits: FLOPs at the GPU's sustained
@@ -35,14 +35,19 @@ Model (per GPU of the slowest pipeline stage, per micro-batch, then the 1F1B sch
   in forward; the backward ones Megatron/TE launch asynchronously hide behind the paired
   dgrad/wgrad GEMM; tp_comm_overlap hides them behind their GEMMs. CP: ring K/V exchange hidden
   behind each chunk's attention. EP: four all-to-alls per MoE layer (DeepEP sends a token once per
-  remote node). DP: reduce-scatter (or all-reduce) of grads and all-gather of params over dp*cp;
-  overlap hides all but the last bucket behind one micro-batch's backward/forward. Hidden
+  remote node). DP: reduce-scatter (or all-reduce) of grads and all-gather of params over dp*cp,
+  of each pipeline rank's own parameters (physics.memory.rank_params: the count the memory model
+  uses, embedding / output layer / MTP where they live; the slowest rank sets the step); overlap
+  hides all but the last bucket behind one micro-batch's backward/forward of its layers. Hidden
   communication still costs OVERLAP_SM_TAX of its time (NCCL kernels occupy SMs). PP: p2p sends.
 - Pipeline: m * t_stage_max + (sum of stage times - t_stage_max) / vp, i.e. the bubble
   (pp-1)/(vp*m) for equal stages (Narayanan et al. 2021, Sec. 2.2.2).
 - Recompute: selective reruns the chosen modules' forward (core attention by default); full
   reruns the forward of the recomputed layers (flops.recomputed_layer_fraction).
-- Optimizer: Adam over the local shard, bandwidth-bound; plus ITERATION_OVERHEAD_S.
+- Optimizer: Adam over the local shard (of the same per-rank count), bandwidth-bound; plus
+  ITERATION_OVERHEAD_S.
+- Code: `_model` assembles one function per term (GEMMs, core attention, elementwise, TP/CP/EP
+  communication, pipeline, data parallel, optimizer, host floor) on a `_Ctx` of one precision group.
 
 Efficiency parameters (module constants below, each with how it was measured or derived) are few
 and global; kernel rates come from micro-benchmarks on this workplace's H100/H200 (no training
@@ -61,12 +66,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from mcore_advisor.knowledge.hardware import GpuSpec, gpu
 from mcore_advisor.knowledge.models import linear_weights, resolve_model
 from mcore_advisor.physics.flops import (
-    attention_flops_per_token_per_layer,
     flops_per_iteration,
     hardware_flops_per_iteration,
     recomputed_layer_fraction,
 )
-from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, layers_per_stage, parallel_dims
+from mcore_advisor.physics.layouts import RECOMPUTE_FULL, Implementation, LayoutBatch, StageTable
+from mcore_advisor.physics.mamba import hybrid_kinds, mamba_layer_parts
+from mcore_advisor.physics.memory import WEIGHT_BYTES_PER_PARAM, gradient_bytes_per_param, stage_table
+from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, parallel_dims
 
 # ---------------------------------------------------------------------------------------------
 # Efficiency parameters. Kernel-level ones were fitted on benchmarks/kernel_probe.py and
@@ -215,8 +222,6 @@ _SM_BY_ARCH = {"ampere": 108, "hopper": 132, "blackwell": 148}
 _BUCKET_MIN_PARAMS = 40_000_000
 _BUCKET_PARAMS_PER_DP = 1_000_000
 
-_RECOMPUTE_CODES = {None: 0, "selective": 1, "full": 2}
-
 
 # ---------------------------------------------------------------------------------------------
 # Hardware
@@ -285,6 +290,7 @@ class StepTimeBreakdown(BaseModel):
 
     gemm_s: float = Field(description="Dense-layer, expert and output-layer GEMMs, forward + backward.")
     attention_s: float = Field(description="Core attention (QK^T, softmax, PV), forward + backward.")
+    ssm_scan_s: float = Field(0.0, description="Mamba-2 convolution and SSD chunked scan of a hybrid model, forward + backward (physics.mamba).")
     elementwise_s: float = Field(description="Norms, activations, bias/dropout/residual, RoPE, FP8 casts, cross-entropy, embedding, MoE permutes.")
     recompute_s: float = Field(description="Forward work rerun in backward by activation recomputation.")
     tp_comm_exposed_s: float = Field(description="Tensor/sequence-parallel collectives not hidden behind GEMMs.")
@@ -350,7 +356,7 @@ def _wgrad_accumulation_s(weights, n_tensors, impl: _Impl, bw, bw_ew):
     of the extra bytes at GEMM_EPILOGUE_EXPOSED. Unfused: a separate add per weight reads the bf16
     gradient and main_grad and writes main_grad (the H200 bf16 1.3B trace: 24.8 ms of fp32 adds per
     4-micro-batch iteration; fusion measured +0.7% to +1.4% tokens/s there, +1.2% on 2.7B TP2+SP)."""
-    mg = 4.0 if impl.grad_reduce_in_fp32 else 2.0
+    mg = gradient_bytes_per_param(impl.grad_reduce_in_fp32)
     if impl.grad_acc_fusion:
         return GEMM_EPILOGUE_EXPOSED * (2.0 * mg - 2.0) * weights / bw
     return weights * (2.0 + 2.0 * mg) / bw_ew + n_tensors * KERNEL_LAUNCH_S
@@ -419,7 +425,7 @@ def _f(x) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# The model
+# The model: one precision group of a LayoutBatch, term by term
 # ---------------------------------------------------------------------------------------------
 
 
@@ -440,71 +446,39 @@ class _Impl:
     recompute_modules: tuple[str, ...] = ("core_attn",)
 
 
-def step_time_arrays(
-    shape: ModelShape,
-    hardware: HardwareParams,
-    seq_length: int,
-    global_batch_size: Any,
-    *,
-    tp: Any = 1,
-    pp: Any = 1,
-    dp: Any = 1,
-    cp: Any = 1,
-    ep: Any = 1,
-    etp: Any = None,
-    vp: Any = 1,
-    micro_batch_size: Any = 1,
-    sequence_parallel: Any = False,
-    recompute: Any = 0,
-    recompute_fraction: Any = 1.0,
-    use_distributed_optimizer: Any = True,
-    overlap_grad_reduce: Any = True,
-    overlap_param_gather: Any = True,
-    tp_comm_overlap: Any = False,
-    precision: Literal["bf16", "fp8"] = "bf16",
-    fp8_recipe: str = "delayed",
-    fp8_param_gather: bool = False,
-    transformer_impl: Literal["transformer_engine", "local"] = "transformer_engine",
-    attention_backend: str = "auto",
-    grad_reduce_in_fp32: bool = True,
-    gradient_accumulation_fusion: bool = True,
-    moe_token_dispatcher_type: str = "alltoall",
-    moe_grouped_gemm: bool = True,
-    cross_entropy_loss_fusion: bool = True,
-    recompute_modules: tuple[str, ...] | list[str] | None = None,
-    stage_layers: tuple[Any, Any, Any] | None = None,
-) -> dict[str, np.ndarray]:
-    """Vectorised step time: layout arguments may be numpy arrays (they broadcast together).
+def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
+    return _Impl(
+        fp8=fp8,
+        fp8_current_scaling=im.fp8_recipe in ("tensorwise",),
+        fp8_param_gather=bool(im.fp8_param_gather),
+        te=im.transformer_impl == "transformer_engine",
+        attention=_attention_path(im.transformer_impl, im.attention_backend),
+        grad_reduce_in_fp32=im.grad_reduce_in_fp32,
+        grad_acc_fusion=bool(im.gradient_accumulation_fusion),
+        moe_dispatcher=im.moe_token_dispatcher_type,
+        moe_grouped_gemm=im.moe_grouped_gemm,
+        ce_fusion=im.cross_entropy_loss_fusion,
+        recompute_modules=im.recompute_modules if im.recompute_modules is not None else ("core_attn",),
+    )
 
-    recompute: 0 none, 1 selective (recompute_modules, default core_attn), 2 full;
-    recompute_fraction: with full recompute, the fraction of each model chunk's layers rerun
-    (flops.recomputed_layer_fraction). vp = 1 means not interleaved. etp None = tp.
-    stage_layers: (first, largest middle, last) stage layer counts (numbers or arrays) of the
-    pipeline split (decoder_first/last_pipeline_num_layers); None = the even split, ceil(L / pp) each.
+
+def step_time_arrays(batch: LayoutBatch, hardware: HardwareParams) -> dict[str, np.ndarray]:
+    """Vectorised step time of every row of `batch` on `hardware` (see the module docstring).
+
     Returns arrays: iteration_time_s, tokens_per_s_per_gpu, num_microbatches, and the
     StepTimeBreakdown terms (`gemm_s`, ..., `overhead_s`).
     """
-    impl = _Impl(
-        fp8=precision == "fp8",
-        fp8_current_scaling=fp8_recipe in ("tensorwise",),
-        fp8_param_gather=bool(fp8_param_gather),
-        te=transformer_impl == "transformer_engine",
-        attention=_attention_path(transformer_impl, attention_backend),
-        grad_reduce_in_fp32=grad_reduce_in_fp32,
-        grad_acc_fusion=bool(gradient_accumulation_fusion),
-        moe_dispatcher=moe_token_dispatcher_type,
-        moe_grouped_gemm=moe_grouped_gemm,
-        ce_fusion=cross_entropy_loss_fusion,
-        recompute_modules=tuple(recompute_modules) if recompute_modules is not None else ("core_attn",),
-    )
-    f64 = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
-    etp_v = tp if etp is None else etp
-    return _model(
-        shape, hardware, impl, float(seq_length), f64(global_batch_size),
-        f64(tp), f64(pp), f64(dp), f64(cp), f64(ep), f64(etp_v), f64(vp), f64(micro_batch_size),
-        f64(sequence_parallel), f64(recompute), f64(recompute_fraction), f64(use_distributed_optimizer),
-        f64(overlap_grad_reduce), f64(overlap_param_gather), f64(tp_comm_overlap), stage_layers,
-    )
+    out: dict[str, np.ndarray] = {}
+    for fp8 in (False, True):
+        rows = batch.fp8 == fp8
+        if not rows.any():
+            continue
+        part = _model(_context(batch if rows.all() else batch.select(rows), hardware, fp8))
+        if rows.all():
+            return part
+        for k, v in part.items():
+            out.setdefault(k, np.zeros(len(batch)))[rows] = v
+    return out
 
 
 def _attention_path(transformer_impl: str, attention_backend: str) -> Literal["fused", "flash", "unfused_te", "unfused_local"]:
@@ -520,101 +494,187 @@ def _attention_path(transformer_impl: str, attention_backend: str) -> Literal["f
     return {"flash": "flash", "unfused": "unfused_te", "local": "unfused_local"}.get(attention_backend, "fused")
 
 
-def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp, pp, dp, cp, ep, etp, vp, b, sp,
-           recompute, recompute_fraction, dist_opt, overlap_grad, overlap_param, tp_overlap,
-           stage_layers=None) -> dict[str, np.ndarray]:
-    h = float(shape.hidden_size)
-    n_heads = float(shape.num_attention_heads)
-    g = float(shape.num_query_groups)
-    L = float(shape.num_layers)
-    L_moe = float(shape.num_moe_layers)
-    swiglu = shape.swiglu
-    fc1_mult = 2.0 if swiglu else 1.0
-    bias = shape.add_bias_linear
-    gpn = float(hw.gpus_per_node)
-    sms = float(hw.num_sms)
-    bw = hw.hbm_bandwidth_gbps * 1e9
-    bw_ew = bw * hw.elementwise_fraction
-    bw_st = bw * hw.stream_fraction
-    nv = hw.nvlink_bandwidth_gbps * 1e9 * NVLINK_EFFICIENCY
-    net = hw.scaleout_bandwidth_gbps * 1e9 * NETWORK_EFFICIENCY
+@dataclass(frozen=True)
+class _Ctx:
+    """One precision group of a batch resolved for the time model: layout arrays (float64), the
+    tokens one GPU works on per micro-batch, and the hardware's achieved rates."""
+
+    shape: ModelShape
+    hw: HardwareParams
+    impl: _Impl
+    stages: StageTable
+    s: float
+    gbs: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    dp: np.ndarray
+    cp: np.ndarray
+    ep: np.ndarray
+    etp: np.ndarray
+    vp: np.ndarray
+    b: np.ndarray
+    edp: np.ndarray  # expert data-parallel size
+    sp: np.ndarray  # 1 where SP runs (TP > 1)
+    tp_overlap: np.ndarray  # TE userbuffers overlap needs SP
+    recompute: np.ndarray
+    recompute_fraction: np.ndarray
+    dist_opt: np.ndarray
+    overlap_grad: np.ndarray
+    overlap_param: np.ndarray
+    m: np.ndarray  # micro-batches per step
+    T: np.ndarray  # tokens per GPU per micro-batch (sequence split by CP)
+    T_sp: np.ndarray  # tokens for norm/residual work (SP shards them over TP)
+    fp8: bool  # FP8 GEMMs run (the group's precision on a GPU with FP8)
+    rate: float  # GEMM FLOP/s at the group's precision
+    rate_bf16: float
+    bw: float  # HBM bytes/s
+    bw_ew: float  # elementwise kernels' achieved bytes/s
+    bw_st: float  # streaming passes' achieved bytes/s
+    nv: float  # NVLink bus bytes/s achieved
+    net: float  # NIC bus bytes/s achieved
+
+    def linear(self, m, n, k, groups=1.0, rate=None):
+        """(forward, dgrad, wgrad) of y[m,n] = x[m,k] @ w[k,n] on this GPU."""
+        return _linear_s(m, n, k, self.rate if rate is None else rate, self.bw, float(self.hw.num_sms), groups)
+
+    def link(self, stride, size):
+        return _group_link(stride, size, float(self.hw.gpus_per_node), self.nv, self.net)
+
+
+def _context(batch: LayoutBatch, hw: HardwareParams, fp8_rows: bool) -> _Ctx:
+    im = batch.impl
+    f64 = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
+    tp, cp, b, dp = f64(batch.tp), f64(batch.cp), f64(batch.micro_batch_size), f64(batch.dp)
+    sp = np.where(tp > 1, f64(batch.sequence_parallel), 0.0)
+    recompute = f64(batch.recompute)
+    per_chunk = np.maximum(1, batch.shape.num_layers // (batch.pp * batch.vp))
+    frac = np.where(batch.recompute == RECOMPUTE_FULL,
+                    recomputed_layer_fraction(per_chunk, batch.recompute_block, batch.recompute_num_layers), 1.0)
+    gbs = f64(batch.global_batch_size)
+    T = b * float(batch.seq_length) / cp
+    fp8 = fp8_rows and hw.peak_fp8_tflops is not None
     rate_bf16 = hw.peak_bf16_tflops * 1e12 * hw.gemm_bf16_fraction
-    fp8 = impl.fp8 and hw.peak_fp8_tflops is not None
-    rate = hw.peak_fp8_tflops * 1e12 * hw.gemm_fp8_fraction if fp8 else rate_bf16
-    sp = np.where(tp > 1, sp, 0.0)
-    tp_overlap = tp_overlap * sp  # TE userbuffers overlap needs SP
-    full_rc = np.where(recompute == 2, 1.0, 0.0) * recompute_fraction
-    sel = np.where(recompute == 1, 1.0, 0.0)
-    mods = impl.recompute_modules
+    bw = hw.hbm_bandwidth_gbps * 1e9
+    return _Ctx(
+        shape=batch.shape, hw=hw, impl=_kernel_choices(im, fp8_rows), stages=stage_table(batch),
+        s=float(batch.seq_length), gbs=gbs, tp=tp, pp=f64(batch.pp), dp=dp, cp=cp, ep=f64(batch.ep), etp=f64(batch.etp),
+        vp=f64(batch.vp), b=b, edp=f64(batch.expert_dp), sp=sp, tp_overlap=f64(batch.tp_comm_overlap) * sp,
+        recompute=recompute, recompute_fraction=frac, dist_opt=f64(batch.use_distributed_optimizer),
+        overlap_grad=f64(batch.overlap_grad_reduce), overlap_param=f64(batch.overlap_param_gather),
+        m=np.maximum(1.0, np.floor(gbs / np.maximum(b * dp, 1.0))), T=T, T_sp=np.where(sp > 0, T / tp, T), fp8=fp8,
+        rate=hw.peak_fp8_tflops * 1e12 * hw.gemm_fp8_fraction if fp8 else rate_bf16, rate_bf16=rate_bf16,
+        bw=bw, bw_ew=bw * hw.elementwise_fraction, bw_st=bw * hw.stream_fraction,
+        nv=hw.nvlink_bandwidth_gbps * 1e9 * NVLINK_EFFICIENCY, net=hw.scaleout_bandwidth_gbps * 1e9 * NETWORK_EFFICIENCY,
+    )
 
-    m = np.maximum(1.0, np.floor(gbs / np.maximum(b * dp, 1.0)))
-    T = b * s / cp  # tokens per GPU per micro-batch (sequence split by CP)
-    T_sp = np.where(sp > 0, T / tp, T)  # tokens for norm/residual work (SP shards them over TP)
 
-    # ---- GEMMs of one layer (forward, dgrad, wgrad) --------------------------------------
-    if shape.multi_latent_attention:
-        d_qk, d_rope, d_v = float(shape.qk_head_dim), float(shape.qk_pos_emb_head_dim), float(shape.v_head_dim)
-        r_kv = float(shape.kv_lora_rank)
-        attn_lin = []
-        if shape.q_lora_rank is None:
-            attn_lin.append(_linear_s(T, n_heads * (d_qk + d_rope) / tp, h, rate, bw, sms))
-        else:
-            r_q = float(shape.q_lora_rank)
-            attn_lin.append(_linear_s(T, r_q, h, rate, bw, sms))  # q down-projection, replicated over TP
-            attn_lin.append(_linear_s(T, n_heads * (d_qk + d_rope) / tp, r_q, rate, bw, sms))
-        attn_lin.append(_linear_s(T, r_kv + d_rope, h, rate, bw, sms))  # kv down, replicated
-        attn_lin.append(_linear_s(T, n_heads * (d_qk + d_v) / tp, r_kv, rate, bw, sms))
-        proj = _linear_s(T, h, n_heads * d_v / tp, rate, bw, sms)
-        qkv_wgrad = attn_lin[0][2]
-        qk_dim, v_dim, kv_heads = d_qk + d_rope, d_v, n_heads
-        qkv_out_elems = n_heads * (d_qk + d_rope) + n_heads * (d_qk + d_rope + d_v)  # per token, before /tp
+def _hide(comm, behind):
+    """Exposed part of a collective overlapped with `behind` compute, plus the slowdown its
+    kernels cause to that compute while they share the SMs."""
+    return np.maximum(0.0, comm - behind) + OVERLAP_SM_TAX * np.minimum(comm, behind)
+
+
+# ---- GEMMs of one layer (forward, dgrad, wgrad) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class _AttentionGemms:
+    lin: list  # (fwd, dgrad, wgrad) of each input-side linear (QKV, or MLA's down/up projections)
+    proj: tuple  # the output projection
+    qk_dim: float
+    v_dim: float
+    kv_heads: float
+    qkv_out_elems: float  # QKV output elements per token, before /tp
+    gather_width: float  # width of what the column-parallel side gathers with SP (h, or MLA's latents)
+
+    @property
+    def gemm_f(self):
+        return sum(x[0] for x in self.lin) + self.proj[0]
+
+    @property
+    def gemm_b(self):
+        return sum(x[1] + x[2] for x in self.lin) + self.proj[1] + self.proj[2]
+
+
+def _attention_gemms(c: _Ctx) -> _AttentionGemms:
+    shape, T, T_sp, tp = c.shape, c.T, c.T_sp, c.tp
+    h, n_heads = float(shape.hidden_size), float(shape.num_attention_heads)
+    if not shape.multi_latent_attention:
+        d, g = float(shape.kv_channels), float(shape.num_query_groups)
+        qkv = c.linear(T, (n_heads * d + 2 * g * d) / tp, h)
+        return _AttentionGemms([qkv], c.linear(T, h, n_heads * d / tp), d, d, g, n_heads * d + 2 * g * d, h)
+    d_qk, d_rope, d_v = float(shape.qk_head_dim), float(shape.qk_pos_emb_head_dim), float(shape.v_head_dim)
+    r_kv = float(shape.kv_lora_rank)
+    # Megatron MLASelfAttention: the down-projections are whole on every TP rank and, with SP,
+    # run on the rank's sequence shard (T_sp tokens); the column-parallel up-projections gather
+    # their narrow inputs (q_compressed, kv_compressed) and the RoPE part of the key instead of
+    # the hidden state (gather_width).
+    lin = []
+    if shape.q_lora_rank is None:
+        lin.append(c.linear(T, n_heads * (d_qk + d_rope) / tp, h))
+        gather_width = h + r_kv + d_rope
     else:
-        d = float(shape.kv_channels)
-        qkv = _linear_s(T, (n_heads * d + 2 * g * d) / tp, h, rate, bw, sms)
-        proj = _linear_s(T, h, n_heads * d / tp, rate, bw, sms)
-        attn_lin = [qkv]
-        qkv_wgrad = qkv[2]
-        qk_dim, v_dim, kv_heads = d, d, g
-        qkv_out_elems = n_heads * d + 2 * g * d
-    attn_gemm_f = sum(x[0] for x in attn_lin) + proj[0]
-    attn_gemm_b = sum(x[1] + x[2] for x in attn_lin) + proj[1] + proj[2]
+        r_q = float(shape.q_lora_rank)
+        lin.append(c.linear(T_sp, r_q, h))  # q down-projection, replicated over TP
+        lin.append(c.linear(T, n_heads * (d_qk + d_rope) / tp, r_q))
+        gather_width = r_q + r_kv + d_rope
+    lin.append(c.linear(T_sp, r_kv + d_rope, h))  # kv down, replicated
+    lin.append(c.linear(T, n_heads * (d_qk + d_v) / tp, r_kv))
+    proj = c.linear(T, h, n_heads * d_v / tp)
+    qkv_out = n_heads * (d_qk + d_rope) + n_heads * (d_qk + d_rope + d_v)  # per token, before /tp
+    return _AttentionGemms(lin, proj, d_qk + d_rope, d_v, n_heads, qkv_out, gather_width)
 
-    f = float(shape.ffn_hidden_size)
-    fc1 = _linear_s(T, f * fc1_mult / tp, h, rate, bw, sms)
-    fc2 = _linear_s(T, h, f / tp, rate, bw, sms)
-    mlp_gemm_f = fc1[0] + fc2[0]
-    mlp_gemm_b = fc1[1] + fc1[2] + fc2[1] + fc2[2]
-    lw = linear_weights(shape)
-    acc_attn_b = _wgrad_accumulation_s(_local_weights(lw["attention"], tp), len(lw["attention"]), impl, bw, bw_ew)
 
-    # ---- core attention --------------------------------------------------------------------
-    heads_loc = n_heads / tp
-    s_q = s / cp
+def _core_attention(c: _Ctx, a: _AttentionGemms) -> tuple:
+    """(forward, backward) seconds of QK^T, softmax and PV on one GPU."""
+    b, s, impl = c.b, c.s, c.impl
+    heads_loc = float(c.shape.num_attention_heads) / c.tp
+    s_q = s / c.cp
     if impl.attention in ("fused", "flash"):
         # Causal: the kernel skips masked blocks, so half of QK^T and PV is executed.
         flash = impl.attention == "flash"
-        dims = _attention_kernel_dim(qk_dim, flash) + _attention_kernel_dim(v_dim, flash)
+        dims = _attention_kernel_dim(a.qk_dim, flash) + _attention_kernel_dim(a.v_dim, flash)
         fwd_flops = 2.0 * b * heads_loc * s_q * s * dims * 0.5
-        chunk = s / cp  # CP ring steps work on s/cp x s/cp blocks
-        r_attn = hw.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY * chunk / (chunk + ATTENTION_HALF_RATE_SEQ)
+        chunk = s / c.cp  # CP ring steps work on s/cp x s/cp blocks
+        r_attn = c.hw.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY * chunk / (chunk + ATTENTION_HALF_RATE_SEQ)
         if impl.attention == "flash":
             r_attn = r_attn * FLASH2_RELATIVE_RATE
-        attn_f = fwd_flops / r_attn + KERNEL_LAUNCH_S
-        attn_b = 2.5 * fwd_flops / r_attn + KERNEL_LAUNCH_S
-    else:
-        # Unfused: batched GEMMs over the full s x s (no masked-block skipping) + softmax bytes.
-        elems = b * heads_loc * s_q * s
-        gemm_flops = 2.0 * elems * (qk_dim + v_dim)
-        per_score = UNFUSED_LOCAL_BYTES_PER_SCORE if impl.attention == "unfused_local" else UNFUSED_TE_BYTES_PER_SCORE
-        # Forward share of the bytes: measured fwd/fwd+bwd time 0.0156/0.0388 on H100 (local path).
-        attn_f = gemm_flops / rate_bf16 + 0.4 * elems * per_score / bw_st + 4 * KERNEL_LAUNCH_S
-        attn_b = 2.0 * gemm_flops / rate_bf16 + 0.6 * elems * per_score / bw_st + 6 * KERNEL_LAUNCH_S
+        return fwd_flops / r_attn + KERNEL_LAUNCH_S, 2.5 * fwd_flops / r_attn + KERNEL_LAUNCH_S
+    # Unfused: batched GEMMs over the full s x s (no masked-block skipping) + softmax bytes.
+    elems = b * heads_loc * s_q * s
+    gemm_flops = 2.0 * elems * (a.qk_dim + a.v_dim)
+    per_score = UNFUSED_LOCAL_BYTES_PER_SCORE if impl.attention == "unfused_local" else UNFUSED_TE_BYTES_PER_SCORE
+    # Forward share of the bytes: measured fwd/fwd+bwd time 0.0156/0.0388 on H100 (local path).
+    attn_f = gemm_flops / c.rate_bf16 + 0.4 * elems * per_score / c.bw_st + 4 * KERNEL_LAUNCH_S
+    attn_b = 2.0 * gemm_flops / c.rate_bf16 + 0.6 * elems * per_score / c.bw_st + 6 * KERNEL_LAUNCH_S
+    return attn_f, attn_b
 
-    # ---- elementwise bytes per layer (forward; backward ~2x: read input + grad, write grad) --
+
+# ---- elementwise bytes per layer (forward; backward ~2x: read input + grad, write grad) ------
+
+
+@dataclass(frozen=True)
+class _Elementwise:
+    norm_b: float  # bytes per token of one norm (read + write h bf16)
+    resid_b: float  # bytes per token of one bias-dropout-add
+    rope_elems: Any
+    act_b_dense: Any  # bytes per token of the dense MLP's activation
+    ew_dense_f: Any  # forward elementwise bytes of a dense layer
+    ew_f_s: Any  # forward elementwise seconds (with FP8 casts and launches)
+    ew_b_s: Any  # backward elementwise seconds (with weight-gradient accumulation)
+    acc_attn_b: Any
+    acc_mlp_b: Any
+
+
+def _elementwise(c: _Ctx, a: _AttentionGemms) -> _Elementwise:
+    shape, impl, T, T_sp, tp = c.shape, c.impl, c.T, c.T_sp, c.tp
+    h, f = float(shape.hidden_size), float(shape.ffn_hidden_size)
+    fc1_mult = 2.0 if shape.swiglu else 1.0
     norm_b = 2.0 * h * 2  # read + write h bf16
     resid_b = 3.0 * h * 2  # bias-dropout-add: read 2, write 1
-    rope_elems = (n_heads * qk_dim + kv_heads * qk_dim) / tp if shape.position_embedding_type == "rope" else 0.0
-    act_b_dense = (3.0 if swiglu else 2.0) * f / tp * 2
+    n_heads = float(shape.num_attention_heads)
+    rope_elems = (n_heads * a.qk_dim + a.kv_heads * a.qk_dim) / tp if shape.position_embedding_type == "rope" else 0.0
+    act_b_dense = (3.0 if shape.swiglu else 2.0) * f / tp * 2
     if impl.te:
         ew_f = T_sp * (2 * norm_b + 2 * resid_b) + T * (rope_elems * 4 + act_b_dense)
         # Non-GEMM kernels of a TE layer: forward 2 norms, 2 RoPE, activation, 2 bias-dropout-add,
@@ -622,246 +682,172 @@ def _model(shape: ModelShape, hw: HardwareParams, impl: _Impl, s: float, gbs, tp
         n_kernels_f, n_kernels_b = 10.0, 22.0
     else:
         # Local spec without Apex/TE fusions: separate bias adds, unfused RoPE (~5 passes).
-        bias_b = (2.0 * f / tp * 2 + 2 * 2.0 * h * 2) if bias else 0.0
+        bias_b = (2.0 * f / tp * 2 + 2 * 2.0 * h * 2) if shape.add_bias_linear else 0.0
         ew_f = T_sp * (2 * norm_b + 2 * resid_b) + T * (5 * rope_elems * 4 + act_b_dense + bias_b)
         n_kernels_f, n_kernels_b = 22.0, 45.0
-    ew_dense_f = ew_f
-    if fp8:
+    if c.fp8:
         # TE casts each GEMM input to FP8 with a transposed copy (read 2, write 1 + 1) and each
         # output gradient likewise in backward; current scaling adds an amax pass over each.
         amax = 2.0 if impl.fp8_current_scaling else 0.0
-        in_elems = T * (h + n_heads * v_dim / tp + h + f / tp)  # inputs of qkv, proj, fc1, fc2
-        out_elems = T * (qkv_out_elems / tp + h + f * fc1_mult / tp + h)
+        in_elems = T * (h + n_heads * a.v_dim / tp + h + f / tp)  # inputs of qkv, proj, fc1, fc2
+        out_elems = T * (a.qkv_out_elems / tp + h + f * fc1_mult / tp + h)
         cast_f = in_elems * (4.0 + amax)
         cast_b = out_elems * (4.0 + amax)
         n_kernels_f, n_kernels_b = n_kernels_f + 5.0, n_kernels_b + 10.0  # cast/transpose + amax/scale updates
     else:
         cast_f = cast_b = 0.0
-    ew_f_s = (ew_dense_f + cast_f) / bw_ew + n_kernels_f * KERNEL_LAUNCH_S
-    ew_b_s = ((2.0 * ew_dense_f + cast_b) / bw_ew + n_kernels_b * KERNEL_LAUNCH_S
-              + acc_attn_b + _wgrad_accumulation_s(_local_weights(lw["mlp"], tp), len(lw["mlp"]), impl, bw, bw_ew))
+    lw = linear_weights(shape)
+    acc_attn_b = _wgrad_accumulation_s(_local_weights(lw["attention"], tp), len(lw["attention"]), impl, c.bw, c.bw_ew)
+    acc_mlp_b = _wgrad_accumulation_s(_local_weights(lw["mlp"], tp), len(lw["mlp"]), impl, c.bw, c.bw_ew)
+    ew_f_s = (ew_f + cast_f) / c.bw_ew + n_kernels_f * KERNEL_LAUNCH_S
+    ew_b_s = (2.0 * ew_f + cast_b) / c.bw_ew + n_kernels_b * KERNEL_LAUNCH_S + acc_attn_b + acc_mlp_b
+    return _Elementwise(norm_b, resid_b, rope_elems, act_b_dense, ew_f, ew_f_s, ew_b_s, acc_attn_b, acc_mlp_b)
 
-    # ---- TP / SP collectives of one layer --------------------------------------------------
-    tp_bw, tp_lat = _group_link(1.0, tp, gpn, nv, net)
-    S_act = T * h * 2.0  # bytes of one full activation [s/cp, b, h] in bf16
-    ag = _ring_s(S_act, tp, tp_bw, tp_lat)  # all-gather or reduce-scatter
-    ar = _ring_s(S_act, tp, tp_bw, tp_lat, 2.0)
 
-    def hide(comm, behind):
-        """Exposed part of a collective overlapped with `behind` compute, plus the slowdown its
-        kernels cause to that compute while they share the SMs."""
-        return np.maximum(0.0, comm - behind) + OVERLAP_SM_TAX * np.minimum(comm, behind)
+# ---- TP / SP collectives of one layer --------------------------------------------------------
 
-    def tp_comm(col_dgrad, col_wgrad, row_dgrad, row_fwd, col_fwd):
-        """Exposed TP comm of a (column-parallel -> row-parallel) block, forward and backward."""
+
+class _TpComm:
+    """Exposed TP communication of a (column-parallel -> row-parallel) block, forward and backward."""
+
+    def __init__(self, c: _Ctx) -> None:
+        self.c = c
+        tp_bw, tp_lat = c.link(1.0, c.tp)
+        S_act = c.T * float(c.shape.hidden_size) * 2.0  # bytes of one full activation [s/cp, b, h] in bf16
+        self.ag = _ring_s(S_act, c.tp, tp_bw, tp_lat)  # all-gather or reduce-scatter
+        self.ar = _ring_s(S_act, c.tp, tp_bw, tp_lat, 2.0)
+
+    def __call__(self, col_dgrad, col_wgrad, row_dgrad, row_fwd, col_fwd, in_width=None):
+        """`in_width` is the width of what the column side gathers (h, or MLA's latents)."""
+        c, ag, ar = self.c, self.ag, self.ar
+        h = float(c.shape.hidden_size)
+        ag_in = ag * ((in_width or h) / h)
+        ar_in = ar * ((in_width or h) / h)
         # no SP: fwd all-reduce after the row-parallel GEMM; bwd all-reduce of the input grad,
         # launched async and hidden behind the column-parallel wgrad GEMM (Megatron/TE).
         nosp_f = ar
-        nosp_b = hide(ar, col_wgrad)
+        nosp_b = _hide(ar_in, col_wgrad)
         # SP: fwd all-gather before the column GEMM + reduce-scatter after the row GEMM; bwd:
         # all-gather of the grad before the row dgrad (exposed), re-gather of the input for wgrad
         # (hidden behind the column dgrad), reduce-scatter of the input grad (behind col wgrad).
-        sp_f = 2.0 * ag
-        sp_b = ag + hide(ag, col_dgrad) + hide(ag, col_wgrad)
+        sp_f = ag_in + ag
+        sp_b = ag + _hide(ag_in, col_dgrad) + _hide(ag_in, col_wgrad)
         # TE userbuffers: every one of them split and pipelined with its GEMM.
-        ov_f = hide(ag, col_fwd) + hide(ag, row_fwd) + 2.0 * ag / np.maximum(tp, 1.0)
-        ov_b = hide(ag, row_dgrad) + hide(ag, col_dgrad) + hide(ag, col_wgrad) + 3.0 * ag / np.maximum(tp, 1.0)
-        fwd = np.where(sp > 0, np.where(tp_overlap > 0, ov_f, sp_f), nosp_f)
-        bwd = np.where(sp > 0, np.where(tp_overlap > 0, ov_b, sp_b), nosp_b)
+        ov_f = _hide(ag_in, col_fwd) + _hide(ag, row_fwd) + (ag_in + ag) / np.maximum(c.tp, 1.0)
+        ov_b = _hide(ag, row_dgrad) + _hide(ag_in, col_dgrad) + _hide(ag_in, col_wgrad) + (ag + 2.0 * ag_in) / np.maximum(c.tp, 1.0)
+        fwd = np.where(c.sp > 0, np.where(c.tp_overlap > 0, ov_f, sp_f), nosp_f)
+        bwd = np.where(c.sp > 0, np.where(c.tp_overlap > 0, ov_b, sp_b), nosp_b)
         return fwd, bwd
 
-    tpa_f, tpa_b = tp_comm(sum(x[1] for x in attn_lin), qkv_wgrad, proj[1], proj[0], attn_lin[0][0])
-    tpm_f, tpm_b = tp_comm(fc1[1], fc1[2], fc2[1], fc2[0], fc1[0])
 
-    # ---- CP ring exchange of K/V, overlapped with each chunk's attention --------------------
-    cp_bw, cp_lat = _group_link(tp, cp, gpn, nv, net)
-    kv_bytes = b * s_q * (kv_heads / tp) * (qk_dim + v_dim) * 2.0  # K and V of the local chunk
+def _cp_ring(c: _Ctx, a: _AttentionGemms, attn_f, attn_b) -> tuple:
+    """CP ring exchange of K/V, overlapped with each chunk's attention: (forward, backward)."""
+    cp_bw, cp_lat = c.link(c.tp, c.cp)
+    kv_bytes = c.b * (c.s / c.cp) * (a.kv_heads / c.tp) * (a.qk_dim + a.v_dim) * 2.0  # K and V of the local chunk
     step_f = kv_bytes / (cp_bw * _ramp(kv_bytes)) + cp_lat + COLLECTIVE_LATENCY_S
-    steps = np.maximum(cp - 1.0, 0.0)
-    cp_f = steps * hide(step_f, attn_f / np.maximum(cp, 1.0))
-    cp_b = steps * hide(2.0 * step_f, attn_b / np.maximum(cp, 1.0))  # K/V and dK/dV
+    steps = np.maximum(c.cp - 1.0, 0.0)
+    cp_f = steps * _hide(step_f, attn_f / np.maximum(c.cp, 1.0))
+    cp_b = steps * _hide(2.0 * step_f, attn_b / np.maximum(c.cp, 1.0))  # K/V and dK/dV
+    return cp_f, cp_b
 
-    # ---- dense and MoE layer totals (forward / backward pieces) -----------------------------
+
+# ---- layers ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Layers:
+    """The per-micro-batch pieces of one dense layer (and what MoE, hybrid and recompute reuse)."""
+
+    attn: _AttentionGemms
+    fc1: tuple
+    fc2: tuple
+    ew: _Elementwise
+    tp_comm: _TpComm
+    tpa: tuple  # attention block TP comm (forward, backward)
+    tpm: tuple  # MLP block TP comm
+    dense: dict  # part -> seconds (gemm_f, gemm_b, attn_f, ..., ep_b)
+
+    @property
+    def mlp_gemm_f(self):
+        return self.fc1[0] + self.fc2[0]
+
+    @property
+    def mlp_gemm_b(self):
+        return self.fc1[1] + self.fc1[2] + self.fc2[1] + self.fc2[2]
+
+
+def _dense_layer(c: _Ctx) -> _Layers:
+    shape, T, tp = c.shape, c.T, c.tp
+    h, f = float(shape.hidden_size), float(shape.ffn_hidden_size)
+    a = _attention_gemms(c)
+    fc1 = c.linear(T, f * (2.0 if shape.swiglu else 1.0) / tp, h)
+    fc2 = c.linear(T, h, f / tp)
+    attn_f, attn_b = _core_attention(c, a)
+    ew = _elementwise(c, a)
+    tp_comm = _TpComm(c)
+    tpa = tp_comm(sum(x[1] for x in a.lin), a.lin[0][2], a.proj[1], a.proj[0], a.lin[0][0], a.gather_width)
+    tpm = tp_comm(fc1[1], fc1[2], fc2[1], fc2[0], fc1[0])
+    cp_f, cp_b = _cp_ring(c, a, attn_f, attn_b)
     dense = {
-        "gemm_f": attn_gemm_f + mlp_gemm_f, "gemm_b": attn_gemm_b + mlp_gemm_b,
-        "attn_f": attn_f, "attn_b": attn_b, "ew_f": ew_f_s, "ew_b": ew_b_s,
-        "tp_f": tpa_f + tpm_f, "tp_b": tpa_b + tpm_b, "cp_f": cp_f, "cp_b": cp_b, "ep_f": 0.0, "ep_b": 0.0,
-        "acc_attn_b": acc_attn_b,
+        "gemm_f": a.gemm_f + (fc1[0] + fc2[0]), "gemm_b": a.gemm_b + (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
+        "attn_f": attn_f, "attn_b": attn_b, "ew_f": ew.ew_f_s, "ew_b": ew.ew_b_s,
+        "tp_f": tpa[0] + tpm[0], "tp_b": tpa[1] + tpm[1], "cp_f": cp_f, "cp_b": cp_b, "ep_f": 0.0, "ep_b": 0.0,
+        "acc_attn_b": ew.acc_attn_b,
     }
-    layers = {"dense": dense}
-    if shape.is_moe:
-        layers["moe"] = _moe_layer(shape, impl, dense, T, T_sp, tp, ep, etp, rate, bw, bw_ew, sms, gpn, nv, net,
-                                   attn_gemm_f, attn_gemm_b, tpa_f, tpa_b, ew_dense_f, act_b_dense)
-
-    # Selective recompute: rerun forward of the chosen modules during backward.
-    def sel_extra(parts, is_moe):
-        x = 0.0
-        if "core_attn" in mods:
-            x = x + parts["attn_f"]
-        if "layernorm" in mods:
-            x = x + T_sp * 2 * norm_b / bw_ew
-        if "mlp" in mods and not is_moe:
-            x = x + mlp_gemm_f + T * act_b_dense / bw_ew + tpm_f
-        if is_moe:
-            if "moe" in mods:
-                x = x + parts["moe_f"]
-            else:
-                if "moe_act" in mods:
-                    x = x + parts["moe_act_f"]
-                if "shared_experts" in mods:
-                    x = x + parts["shared_f"]
-        if "mla_up_proj" in mods and shape.multi_latent_attention:
-            x = x + sum(y[0] for y in attn_lin[1:])
-        return x
-
-    def layer_time(p, is_moe):
-        fwd = p["gemm_f"] + p["attn_f"] + p["ew_f"] + p["tp_f"] + p["cp_f"] + p["ep_f"]
-        bwd = p["gemm_b"] + p["attn_b"] + p["ew_b"] + p["tp_b"] + p["cp_b"] + p["ep_b"]
-        rc = sel * sel_extra(p, is_moe) + full_rc * fwd
-        return fwd, bwd, rc
-
-    frac_moe = L_moe / L
-    comp = {}
-    for key in ("gemm", "attn", "ew", "tp", "cp", "ep"):
-        comp[key] = (1 - frac_moe) * (dense[key + "_f"] + dense[key + "_b"])
-        if shape.is_moe:
-            mo = layers["moe"]
-            comp[key] = comp[key] + frac_moe * (mo[key + "_f"] + mo[key + "_b"])
-    fd, bd, rd = layer_time(dense, False)
-    lay_f, lay_b, lay_rc = (1 - frac_moe) * fd, (1 - frac_moe) * bd, (1 - frac_moe) * rd
-    if shape.is_moe:
-        fm, bm, rm = layer_time(layers["moe"], True)
-        lay_f, lay_b, lay_rc = lay_f + frac_moe * fm, lay_b + frac_moe * bm, lay_rc + frac_moe * rm
-    t_layer_gpu = lay_f + lay_b + lay_rc
-    host_floor = hw.host_floor_s_per_layer * (1.0 + np.where(recompute == 1, HOST_SELECTIVE_EXTRA, 0.0)
-                                              + np.where(recompute == 2, recompute_fraction * HOST_FULL_EXTRA, 0.0))
-    host_gap = np.maximum(0.0, host_floor - t_layer_gpu)
-    t_layer = t_layer_gpu + host_gap
-
-    # ---- embedding (first stage) and output layer + loss (last stage) ----------------------
-    V = np.ceil(shape.vocab_size / (shape.make_vocab_size_divisible_by * tp)) * shape.make_vocab_size_divisible_by * tp
-    out = _linear_s(T, V / tp, h, rate_bf16, bw, sms)  # Megatron's output layer is not a TE module: bf16 even in FP8 runs
-    ce_bytes = CROSS_ENTROPY_FUSED_BYTES_PER_LOGIT if impl.ce_fusion else CROSS_ENTROPY_UNFUSED_BYTES_PER_LOGIT
-    out_gemm = out[0] + out[1] + out[2]
-    out_ew = (T * V / tp * ce_bytes / bw_st + T_sp * 3 * norm_b / bw_ew + 6 * KERNEL_LAUNCH_S
-              + _wgrad_accumulation_s(V / tp * h, 1.0, impl, bw, bw_ew))
-    out_tp = np.where(sp > 0, 2.0 * ag, hide(ar, out[2]))  # SP: gather before, reduce-scatter of grad after
-    t_out = out_gemm + out_ew + out_tp
-    emb_ew = (T * h * 2 * 2 + T * h * 10) / bw_ew + 4 * KERNEL_LAUNCH_S  # lookup; grad scatter-add into fp32
-    emb_tp = np.where(sp > 0, ag, ar)
-    t_emb = emb_ew + emb_tp
-
-    # ---- pipeline schedule ---------------------------------------------------------------------
-    one_stage = pp <= 1
-    if stage_layers is None:
-        Ls = L_first = L_last = L_mid = np.ceil(L / pp)
-    else:
-        # Uneven split: the first/last stages (embedding, loss) hold their own counts; the
-        # slowest stage sets the pipeline's pace, the most-loaded one its buffers.
-        L_first, L_mid, L_last = (np.asarray(x, dtype=np.float64) for x in stage_layers)
-        Ls = np.maximum(np.maximum(L_first, L_mid), L_last)
-    t_last = L_last * t_layer + t_out + np.where(one_stage, t_emb, 0.0)
-    t_first = L_first * t_layer + t_emb
-    t_max = np.maximum(np.maximum(t_last, np.where(one_stage, 0.0, t_first)), np.where(one_stage, 0.0, L_mid * t_layer))
-    t_sum = L * t_layer + t_out + t_emb
-    pp_bw, pp_lat = _group_link(tp * cp * dp, 2.0, gpn, nv, net)
-    p2p_bytes = T * h * 2.0 / np.where(sp > 0, tp, 1.0)
-    t_p2p = np.where(one_stage, 0.0, 2.0 * (p2p_bytes / (pp_bw * _ramp(p2p_bytes)) + pp_lat + COLLECTIVE_LATENCY_S))
-    bubble = np.where(one_stage, 0.0, (t_sum - t_max) / vp)
-    # 1F1B: blocking send/recv pairs on the critical path every micro-batch and through fill/drain.
-    # Interleaved: Megatron overlaps them with compute (overlap_p2p_comm), vp times as many sends;
-    # only fill/drain stays exposed.
-    pipe_p2p = np.where(vp > 1, m * vp * OVERLAP_SM_TAX * t_p2p + (pp - 1.0) * t_p2p, (m + pp - 1.0) * t_p2p)
-    pipe_p2p = np.where(one_stage, 0.0, pipe_p2p)
-
-    # ---- data-parallel gradient / parameter traffic -----------------------------------------
-    P_dense, P_exp = _local_params(shape, tp, pp, ep, etp, V, Ls)
-    dpc = dp * cp  # Megatron reduces grads over the dp x cp group and shards the optimizer over it
-    edp = np.maximum(1.0, np.floor(tp * pp * dp * cp / (etp * ep * pp)))
-    g_bytes = 4.0 if impl.grad_reduce_in_fp32 else 2.0
-    p_bytes = 1.0 if impl.fp8_param_gather and fp8 else 2.0
-    d_bw, d_lat = _group_link(tp, dpc, gpn, nv, net)
-    e_bw, e_lat = _group_link(etp * ep, edp, gpn, nv, net)
-    grad_steps = np.where(dist_opt > 0, 1.0, 2.0)  # reduce-scatter vs all-reduce
-    has_exp = 1.0 if shape.is_moe else 0.0
-    t_grad = _ring_s(P_dense * g_bytes, dpc, d_bw, d_lat, grad_steps) + has_exp * _ring_s(P_exp * g_bytes, edp, e_bw, e_lat, grad_steps)
-    t_param = np.where(dist_opt > 0, _ring_s(P_dense * p_bytes, dpc, d_bw, d_lat) + has_exp * _ring_s(P_exp * p_bytes, edp, e_bw, e_lat), 0.0)
-    P_total = P_dense + P_exp
-    bucket_frac = np.minimum(1.0, np.maximum(_BUCKET_MIN_PARAMS, _BUCKET_PARAMS_PER_DP * dpc) / np.maximum(P_total, 1.0))
-    # Overlap window: the backward (forward) of one micro-batch on this stage; the last grad
-    # bucket (first param bucket) can never hide.
-    win_b = Ls * (lay_b + lay_rc)
-    win_f = Ls * lay_f
-    grad_exp = np.maximum(bucket_frac * t_grad, t_grad - win_b)
-    param_exp = np.maximum(bucket_frac * t_param, t_param - win_f)
-    grad_exposed = np.where(overlap_grad > 0, grad_exp + OVERLAP_SM_TAX * (t_grad - grad_exp), t_grad)
-    param_exposed = np.where(overlap_param > 0, param_exp + OVERLAP_SM_TAX * (t_param - param_exp), t_param)
-    # Tied embeddings across PP: first and last stage all-reduce the embedding grad (finalize_model_grads).
-    tied = (not shape.untie_embeddings_and_output_weights)
-    emb_sync = np.where(one_stage | (not tied), 0.0, _ring_s(V * h / tp * g_bytes, 2.0, *_group_link(tp * cp * dp, 2.0, gpn, nv, net), 2.0))
-    dp_exposed = grad_exposed + param_exposed + emb_sync
-
-    # ---- optimizer -----------------------------------------------------------------------------
-    shard = np.where(dist_opt > 0, P_dense / dpc + P_exp / edp, P_total)
-    t_opt = (shard * ADAM_BYTES_PER_PARAM + P_total * g_bytes) / bw_st + 20 * KERNEL_LAUNCH_S  # + zeroing the grad buffer
-
-    # ---- assemble ------------------------------------------------------------------------------
-    iter_s = m * t_max + bubble + pipe_p2p + dp_exposed + t_opt + ITERATION_OVERHEAD_S
-    # Attribute the slowest stage's per-micro-batch work to the breakdown terms.
-    k = m * Ls
-    stage_extra_out = t_out + np.where(one_stage, t_emb, 0.0)
-    gemm_total = k * comp["gemm"] + m * out_gemm
-    ew_total = k * comp["ew"] + m * (out_ew + np.where(one_stage, emb_ew, 0.0))
-    tp_total = k * comp["tp"] + m * (out_tp + np.where(one_stage, emb_tp, 0.0))
-    # the first stage can be the slowest (embedding > output); the residue goes to elementwise
-    residue = m * (t_max - (Ls * t_layer + stage_extra_out))
-    tokens = gbs * s
-    world = tp * pp * dp * cp
-    return {
-        "iteration_time_s": iter_s,
-        "tokens_per_s_per_gpu": tokens / (iter_s * world),
-        "num_microbatches": m,
-        "gemm_s": gemm_total,
-        "attention_s": k * comp["attn"],
-        "elementwise_s": ew_total + residue,
-        "recompute_s": k * lay_rc,
-        "tp_comm_exposed_s": tp_total,
-        "cp_comm_exposed_s": k * comp["cp"],
-        "ep_comm_s": k * comp["ep"],
-        "pp_p2p_s": pipe_p2p,
-        "pipeline_bubble_s": bubble,
-        "dp_comm_exposed_s": dp_exposed,
-        "optimizer_s": t_opt,
-        "host_bound_s": k * host_gap,
-        "overhead_s": np.zeros_like(iter_s) + ITERATION_OVERHEAD_S,
-    }
+    return _Layers(a, fc1, fc2, ew, tp_comm, tpa, tpm, dense)
 
 
-def _moe_layer(shape, impl, dense, T, T_sp, tp, ep, etp, rate, bw, bw_ew, sms, gpn, nv, net,
-               attn_gemm_f, attn_gemm_b, tpa_f, tpa_b, ew_dense_f, act_b_dense):
-    """One MoE layer: the attention half of a dense layer + router, dispatch, experts, combine."""
-    h = float(shape.hidden_size)
-    E = float(shape.num_experts)
-    k = float(shape.moe_router_topk)
-    fe = float(shape.moe_ffn_hidden_size)
-    fsh = float(shape.moe_shared_expert_intermediate_size)
-    fc1_mult = 2.0 if shape.swiglu else 1.0
+def _expert_gemms(c: _Ctx) -> tuple:
+    """(forward, backward) of the routed experts and the router; tokens through the local experts."""
+    shape = c.shape
+    h, E, k, fe = float(shape.hidden_size), float(shape.num_experts), float(shape.moe_router_topk), float(shape.moe_ffn_hidden_size)
     # Tokens each GPU runs through its local experts (balanced routing): T*k*etp/tp, over E/ep experts.
-    local_experts = E / ep
-    T_exp = T * k * etp / tp
+    local_experts = E / c.ep
+    T_exp = c.T * k * c.etp / c.tp
     M_e = T_exp / local_experts
-    groups = local_experts if impl.moe_grouped_gemm else 1.0
-    fc1 = _linear_s(M_e, fe * fc1_mult / etp, h, rate, bw, sms, groups)
-    fc2 = _linear_s(M_e, h, fe / etp, rate, bw, sms, groups)
-    if not impl.moe_grouped_gemm:  # one GEMM per local expert, launched in sequence
+    groups = local_experts if c.impl.moe_grouped_gemm else 1.0
+    fc1 = c.linear(M_e, fe * (2.0 if shape.swiglu else 1.0) / c.etp, h, groups)
+    fc2 = c.linear(M_e, h, fe / c.etp, groups)
+    if not c.impl.moe_grouped_gemm:  # one GEMM per local expert, launched in sequence
         fc1 = tuple(x * local_experts for x in fc1)
         fc2 = tuple(x * local_experts for x in fc2)
-    router = _linear_s(T_sp, E, h, rate, bw, sms)
-    exp_f = fc1[0] + fc2[0] + router[0]
-    exp_b = fc1[1] + fc1[2] + fc2[1] + fc2[2] + router[1] + router[2]
+    router = c.linear(c.T_sp, E, h)
+    return fc1[0] + fc2[0] + router[0], fc1[1] + fc1[2] + fc2[1] + fc2[2] + router[1] + router[2], T_exp
+
+
+def _all_to_all(c: _Ctx) -> Any:
+    """One MoE dispatch (or combine) all-to-all over EP (allgather dispatcher: every token to every rank)."""
+    shape, ep, gpn = c.shape, c.ep, float(c.hw.gpus_per_node)
+    h, k = float(shape.hidden_size), float(shape.moe_router_topk)
+    disp = c.T_sp * k * h * 2.0
+    if c.impl.moe_dispatcher == "allgather":
+        disp = c.T_sp * h * 2.0 * ep
+    ep_span = c.etp * ep
+    inside = ep_span <= gpn
+    peers_in_node = np.minimum(ep, np.maximum(1.0, np.floor(gpn / c.etp)))
+    frac_in = (peers_in_node - 1.0) / np.maximum(ep, 1.0)
+    frac_out = np.where(inside, 0.0, (ep - peers_in_node) / ep)
+    net_bytes = disp * frac_out
+    if c.impl.moe_dispatcher == "flex":
+        # DeepEP sends each token once per remote node it needs (then forwards over NVLink):
+        # with k experts picked among E spread over N nodes, a given remote node is touched with
+        # probability 1 - (1 - 1/N)^k (DeepEP internode dispatch; Megatron flex dispatcher).
+        nodes = np.maximum(1.0, np.ceil(ep_span / gpn))
+        touched = (nodes - 1.0) * (1.0 - (1.0 - 1.0 / nodes) ** k)
+        net_bytes = np.where(inside, 0.0, c.T_sp * h * 2.0 * touched)
+    a2a = np.maximum(disp * (frac_in + frac_out) / c.nv, net_bytes / c.net) / _ramp(disp) + COLLECTIVE_LATENCY_S + np.where(inside, NVLINK_HOP_LATENCY_S, NETWORK_HOP_LATENCY_S) * np.log2(np.maximum(ep, 2.0))
+    return np.where(ep > 1, a2a, 0.0)
+
+
+def _moe_layer(c: _Ctx, L: _Layers) -> dict:
+    """One MoE layer: the attention half of a dense layer + router, dispatch, experts, combine."""
+    shape, T, T_sp, tp, etp, impl = c.shape, c.T, c.T_sp, c.tp, c.etp, c.impl
+    h, E, k = float(shape.hidden_size), float(shape.num_experts), float(shape.moe_router_topk)
+    fe, fsh = float(shape.moe_ffn_hidden_size), float(shape.moe_shared_expert_intermediate_size)
+    exp_f, exp_b, T_exp = _expert_gemms(c)
     if fsh > 0:
-        sh1 = _linear_s(T, fsh * fc1_mult / tp, h, rate, bw, sms)
-        sh2 = _linear_s(T, h, fsh / tp, rate, bw, sms)
+        sh1 = c.linear(T, fsh * (2.0 if shape.swiglu else 1.0) / tp, h)
+        sh2 = c.linear(T, h, fsh / tp)
         shared_f, shared_b = sh1[0] + sh2[0], sh1[1] + sh1[2] + sh2[1] + sh2[2]
     else:
         shared_f = shared_b = 0.0
@@ -870,113 +856,293 @@ def _moe_layer(shape, impl, dense, T, T_sp, tp, ep, etp, rate, bw, bw_ew, sms, g
     act_exp = T_exp * (3.0 if shape.swiglu else 2.0) * fe / etp * 2
     permute = 2 * 2 * T_sp * k * h * 2.0
     act_sh = T * (3.0 if shape.swiglu else 2.0) * fsh / tp * 2
-    ew_attn_half = ew_dense_f - T * act_b_dense
-    ew_f = (ew_attn_half + act_exp + permute + act_sh + T_sp * E * 4 * 4) / bw_ew + 20 * KERNEL_LAUNCH_S
+    ew_attn_half = L.ew.ew_dense_f - T * L.ew.act_b_dense
+    ew_f = (ew_attn_half + act_exp + permute + act_sh + T_sp * E * 4 * 4) / c.bw_ew + 20 * KERNEL_LAUNCH_S
     lw = linear_weights(shape)
+    local_experts = E / c.ep
     w_exp = local_experts * _local_weights(lw["expert"], etp) + h * E  # routed experts + router
-    acc_b = (dense["acc_attn_b"] + _wgrad_accumulation_s(w_exp, len(lw["expert"]) * local_experts + 1.0, impl, bw, bw_ew)
-             + _wgrad_accumulation_s(_local_weights(lw["shared_expert"], tp), len(lw["shared_expert"]), impl, bw, bw_ew))
+    acc_b = (L.dense["acc_attn_b"] + _wgrad_accumulation_s(w_exp, len(lw["expert"]) * local_experts + 1.0, impl, c.bw, c.bw_ew)
+             + _wgrad_accumulation_s(_local_weights(lw["shared_expert"], tp), len(lw["shared_expert"]), impl, c.bw, c.bw_ew))
     ew_b = 2.0 * (ew_f - 20 * KERNEL_LAUNCH_S) + 40 * KERNEL_LAUNCH_S + acc_b
-    # Dispatch + combine all-to-all over EP (allgather dispatcher: every token to every rank).
-    disp = T_sp * k * h * 2.0
-    if impl.moe_dispatcher == "allgather":
-        disp = T_sp * h * 2.0 * ep
-    ep_span = etp * ep
-    inside = ep_span <= gpn
-    peers_in_node = np.minimum(ep, np.maximum(1.0, np.floor(gpn / etp)))
-    frac_in = (peers_in_node - 1.0) / np.maximum(ep, 1.0)
-    frac_out = np.where(inside, 0.0, (ep - peers_in_node) / ep)
-    net_bytes = disp * frac_out
-    if impl.moe_dispatcher == "flex":
-        # DeepEP sends each token once per remote node it needs (then forwards over NVLink):
-        # with k experts picked among E spread over N nodes, a given remote node is touched with
-        # probability 1 - (1 - 1/N)^k (DeepEP internode dispatch; Megatron flex dispatcher).
-        nodes = np.maximum(1.0, np.ceil(ep_span / gpn))
-        touched = (nodes - 1.0) * (1.0 - (1.0 - 1.0 / nodes) ** k)
-        net_bytes = np.where(inside, 0.0, T_sp * h * 2.0 * touched)
-    a2a = np.maximum(disp * (frac_in + frac_out) / nv, net_bytes / net) / _ramp(disp) + COLLECTIVE_LATENCY_S + np.where(inside, NVLINK_HOP_LATENCY_S, NETWORK_HOP_LATENCY_S) * np.log2(np.maximum(ep, 2.0))
-    a2a = np.where(ep > 1, a2a, 0.0)
-    etp_bw, etp_lat = _group_link(1.0, etp, gpn, nv, net)
+    a2a = _all_to_all(c)
+    etp_bw, etp_lat = c.link(1.0, etp)
     etp_c = _ring_s(T_exp * h * 2.0, etp, etp_bw, etp_lat)  # AG of dispatched tokens / RS of outputs
-    ep_f = 2 * a2a + 2 * etp_c
-    ep_b = 2 * a2a + 2 * etp_c
     # SP: the MoE layer takes T/tp tokens, so no MLP all-gather/reduce-scatter; without SP the
     # attention half keeps its all-reduce.
     return {
-        "gemm_f": attn_gemm_f + exp_f + shared_f, "gemm_b": attn_gemm_b + exp_b + shared_b,
-        "attn_f": dense["attn_f"], "attn_b": dense["attn_b"], "ew_f": ew_f, "ew_b": ew_b,
-        "tp_f": tpa_f, "tp_b": tpa_b, "cp_f": dense["cp_f"], "cp_b": dense["cp_b"],
-        "ep_f": ep_f, "ep_b": ep_b,
-        "moe_f": exp_f + shared_f + (act_exp + permute + act_sh) / bw_ew + 2 * a2a,
-        "moe_act_f": act_exp / bw_ew,
-        "shared_f": shared_f + act_sh / bw_ew,
+        "gemm_f": L.attn.gemm_f + exp_f + shared_f, "gemm_b": L.attn.gemm_b + exp_b + shared_b,
+        "attn_f": L.dense["attn_f"], "attn_b": L.dense["attn_b"], "ew_f": ew_f, "ew_b": ew_b,
+        "tp_f": L.tpa[0], "tp_b": L.tpa[1], "cp_f": L.dense["cp_f"], "cp_b": L.dense["cp_b"],
+        "ep_f": 2 * a2a + 2 * etp_c, "ep_b": 2 * a2a + 2 * etp_c,
+        "moe_f": exp_f + shared_f + (act_exp + permute + act_sh) / c.bw_ew + 2 * a2a,
+        "moe_act_f": act_exp / c.bw_ew,
+        "shared_f": shared_f + act_sh / c.bw_ew,
     }
 
 
-def _local_params(shape: ModelShape, tp, pp, ep, etp, V, Ls):
-    """(dense, expert) parameters held by one GPU of the most loaded stage (embedding or output)."""
+def _hybrid_kinds(c: _Ctx, L: _Layers, moe: dict | None) -> list:
+    """One block per layer: the attention and MLP halves of the dense layer (the elementwise work
+    split by bytes: one norm + residual each, RoPE to attention, the activation to the MLP), the
+    MoE layer without its attention half, and the Mamba mixer (physics.mamba)."""
+    shape, T, T_sp, ew, d = c.shape, c.T, c.T_sp, L.ew, L.dense
+    ew_attn = T_sp * (ew.norm_b + ew.resid_b) + T * ew.rope_elems * 4
+    share = ew_attn / (ew_attn + T_sp * (ew.norm_b + ew.resid_b) + T * ew.act_b_dense)
+    ew_b_rest = ew.ew_b_s - ew.acc_attn_b - ew.acc_mlp_b
+    zero = {"attn_f": 0.0, "attn_b": 0.0, "cp_f": 0.0, "cp_b": 0.0, "ep_f": 0.0, "ep_b": 0.0, "norms": 1.0}
+    attn_half = {**zero, "gemm_f": L.attn.gemm_f, "gemm_b": L.attn.gemm_b, "attn_f": d["attn_f"], "attn_b": d["attn_b"],
+                 "ew_f": share * ew.ew_f_s, "ew_b": share * ew_b_rest + ew.acc_attn_b, "tp_f": L.tpa[0], "tp_b": L.tpa[1],
+                 "cp_f": d["cp_f"], "cp_b": d["cp_b"], "mlp_rc_f": 0.0}
+    mlp_half = {**zero, "gemm_f": L.mlp_gemm_f, "gemm_b": L.mlp_gemm_b, "ew_f": (1 - share) * ew.ew_f_s,
+                "ew_b": (1 - share) * ew_b_rest + ew.acc_mlp_b, "tp_f": L.tpm[0], "tp_b": L.tpm[1]}
+    moe_only = None
+    if moe is not None:
+        moe_only = {**moe, "norms": 1.0, **{k: np.maximum(0.0, moe[k] - attn_half[k]) for k in (
+            "gemm_f", "gemm_b", "attn_f", "attn_b", "ew_f", "ew_b", "tp_f", "tp_b", "cp_f", "cp_b")}}
+    mamba_part = None
+    if shape.num_mamba_layers:
+        cp_bw, cp_lat = c.link(c.tp, c.cp)
+        mamba_part = mamba_layer_parts(
+            shape, T=T, T_sp=T_sp, tp=c.tp, linear_s=lambda m_, n_, k_: c.linear(m_, n_, k_),
+            tp_comm=L.tp_comm, cp_a2a=lambda x: np.where(c.cp > 1, _ring_s(x, c.cp, cp_bw, cp_lat), 0.0),
+            bw_ew=c.bw_ew, rate=c.rate, kernel_s=KERNEL_LAUNCH_S, norm_resid_bytes=ew.norm_b + ew.resid_b)
+    return hybrid_kinds(shape, attn_half, mlp_half, moe_only, mamba_part)
+
+
+def _selective_extra(c: _Ctx, L: _Layers, parts: dict, is_moe: bool):
+    """Selective recompute: the forward of the chosen modules rerun during backward."""
+    mods, ew = c.impl.recompute_modules, L.ew
+    x = 0.0
+    if "core_attn" in mods:
+        x = x + parts["attn_f"]
+    if "layernorm" in mods:
+        x = x + c.T_sp * parts.get("norms", 2.0) * ew.norm_b / c.bw_ew
+    if "mlp" in mods and not is_moe:
+        x = x + parts.get("mlp_rc_f", L.mlp_gemm_f + c.T * ew.act_b_dense / c.bw_ew + L.tpm[0])
+    if is_moe:
+        if "moe" in mods:
+            x = x + parts["moe_f"]
+        else:
+            if "moe_act" in mods:
+                x = x + parts["moe_act_f"]
+            if "shared_experts" in mods:
+                x = x + parts["shared_f"]
+    if "mla_up_proj" in mods and c.shape.multi_latent_attention:
+        x = x + sum(y[0] for y in L.attn.lin[1:])
+    return x
+
+
+def _layer_time(c: _Ctx, L: _Layers, p: dict, is_moe: bool) -> tuple:
+    """(forward, backward, recompute) seconds of one layer and micro-batch."""
+    fwd = p["gemm_f"] + p["attn_f"] + p["ew_f"] + p["tp_f"] + p["cp_f"] + p["ep_f"] + p.get("ssm_f", 0.0)
+    bwd = p["gemm_b"] + p["attn_b"] + p["ew_b"] + p["tp_b"] + p["cp_b"] + p["ep_b"] + p.get("ssm_b", 0.0)
+    sel = np.where(c.recompute == 1, 1.0, 0.0)
+    full_rc = np.where(c.recompute == 2, 1.0, 0.0) * c.recompute_fraction
+    rc = sel * _selective_extra(c, L, p, is_moe) + full_rc * fwd
+    return fwd, bwd, rc
+
+
+@dataclass(frozen=True)
+class _LayerAverage:
+    comp: dict  # term -> seconds per layer (weighted over the layer kinds), fwd + bwd
+    fwd: Any
+    bwd: Any
+    rc: Any
+    host_gap: Any  # GPU idle per layer waiting for the host
+    t_layer: Any  # seconds per layer and micro-batch on the critical path
+
+
+def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
+    """One layer and micro-batch averaged over the model's layer kinds, held to the host floor."""
+    shape = c.shape
+    frac_moe = float(shape.num_moe_layers) / float(shape.num_layers)
+    # (parts, share of the layers, is MoE) per layer kind: a GPT model's dense and MoE layers, or
+    # a hybrid pattern's one-block layers (physics.mamba).
+    kinds = [(L.dense, 1 - frac_moe, False)] + ([(moe, frac_moe, True)] if shape.is_moe else [])
+    if shape.is_hybrid:
+        kinds = _hybrid_kinds(c, L, moe)
+    comp = {}
+    for key in ("gemm", "attn", "ew", "tp", "cp", "ep", "ssm"):
+        comp[key] = sum(w * (p.get(key + "_f", 0.0) + p.get(key + "_b", 0.0)) for p, w, _ in kinds)
+    lay_f = lay_b = lay_rc = 0.0
+    for p, w, is_moe in kinds:
+        f_, b_, r_ = _layer_time(c, L, p, is_moe)
+        lay_f, lay_b, lay_rc = lay_f + w * f_, lay_b + w * b_, lay_rc + w * r_
+    t_layer_gpu = lay_f + lay_b + lay_rc
+    host_floor = c.hw.host_floor_s_per_layer * (1.0 + np.where(c.recompute == 1, HOST_SELECTIVE_EXTRA, 0.0)
+                                                + np.where(c.recompute == 2, c.recompute_fraction * HOST_FULL_EXTRA, 0.0))
+    host_gap = np.maximum(0.0, host_floor - t_layer_gpu)
+    return _LayerAverage(comp, lay_f, lay_b, lay_rc, host_gap, t_layer_gpu + host_gap)
+
+
+# ---- embedding (first stage), output layer + loss and MTP (last stage) ------------------------
+
+
+@dataclass(frozen=True)
+class _Ends:
+    out_gemm: Any
+    out_ew: Any
+    out_tp: Any
+    t_out: Any
+    emb_ew: Any
+    emb_tp: Any
+    t_emb: Any
+    t_mtp: Any
+    mtp_gemm: Any
+
+
+def _embedding_and_output(c: _Ctx, L: _Layers, moe: dict | None) -> _Ends:
+    shape, T, T_sp, impl, tp = c.shape, c.T, c.T_sp, c.impl, c.tp
     h = float(shape.hidden_size)
-    L = float(shape.num_layers)
-    frac_moe = shape.num_moe_layers / L
-    lin, _ = attention_flops_per_token_per_layer(shape, 1)
-    attn = lin / 6.0  # 6 FLOPs per weight per token for a linear layer (training.py convention)
-    ffn_w = 3.0 if shape.swiglu else 2.0
-    fc1_out = (2.0 if shape.swiglu else 1.0)
-    mlp_bias = 0.0
-    if shape.add_bias_linear:
-        d, n, g = shape.kv_channels, shape.num_attention_heads, shape.num_query_groups
-        attn += (n * d + 2 * g * d) + h  # QKV and output-projection biases
-        mlp_bias = fc1_out * shape.ffn_hidden_size + h
-    norms = (2.0 if shape.normalization == "LayerNorm" else 1.0) * 2.0 * h
-    dense_layer = (attn + h * shape.ffn_hidden_size * ffn_w + mlp_bias) / tp + norms
-    moe_dense_part = (attn + h * shape.moe_shared_expert_intermediate_size * ffn_w) / tp + norms + h * (shape.num_experts or 0)
-    moe_expert_part = h * shape.moe_ffn_hidden_size * ffn_w * (shape.num_experts or 0) / (ep * etp)
-    P_dense = Ls * ((1 - frac_moe) * dense_layer + frac_moe * moe_dense_part) + V * h / tp
-    P_exp = Ls * frac_moe * moe_expert_part
-    return P_dense, P_exp
+    V = c.stages.padded_vocab
+    out = c.linear(T, V / tp, h, rate=c.rate_bf16)  # Megatron's output layer is not a TE module: bf16 even in FP8 runs
+    ce_bytes = CROSS_ENTROPY_FUSED_BYTES_PER_LOGIT if impl.ce_fusion else CROSS_ENTROPY_UNFUSED_BYTES_PER_LOGIT
+    out_gemm = out[0] + out[1] + out[2]
+    out_ew = (T * V / tp * ce_bytes / c.bw_st + T_sp * 3 * L.ew.norm_b / c.bw_ew + 6 * KERNEL_LAUNCH_S
+              + _wgrad_accumulation_s(V / tp * h, 1.0, impl, c.bw, c.bw_ew))
+    ag, ar = L.tp_comm.ag, L.tp_comm.ar
+    out_tp = np.where(c.sp > 0, 2.0 * ag, _hide(ar, out[2]))  # SP: gather before, reduce-scatter of grad after
+    t_out = out_gemm + out_ew + out_tp
+    emb_ew = (T * h * 2 * 2 + T * h * 10) / c.bw_ew + 4 * KERNEL_LAUNCH_S  # lookup; grad scatter-add into fp32
+    emb_tp = np.where(c.sp > 0, ag, ar)
+    # MTP (MultiTokenPredictionBlock, last stage): per depth one layer of the last decoder layer's
+    # type, its eh_proj (2h -> h, column-parallel) and its own output layer and loss.
+    t_mtp = mtp_gemm = 0.0
+    if shape.mtp_num_layers:
+        last_moe = shape.is_moe and shape.moe_layer_pattern[-1] == 1
+        p_mtp = moe if last_moe else L.dense
+        eh = c.linear(T, h / tp, 2.0 * h)
+        f_, b_, r_ = _layer_time(c, L, p_mtp, last_moe)
+        mtp_gemm = shape.mtp_num_layers * (p_mtp["gemm_f"] + p_mtp["gemm_b"] + sum(eh) + out_gemm)
+        t_mtp = shape.mtp_num_layers * (f_ + b_ + r_ + sum(eh) + t_out)
+    return _Ends(out_gemm, out_ew, out_tp, t_out, emb_ew, emb_tp, emb_ew + emb_tp, t_mtp, mtp_gemm)
+
+
+# ---- pipeline schedule -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pipeline:
+    t_max: Any  # per-micro-batch time of the slowest stage
+    layers: Any  # that stage's decoder layers
+    with_output: Any  # whether it is the last stage (output layer, loss, MTP)
+    with_embedding: Any  # whether it holds the embedding (the first stage, or the only one)
+    bubble: Any
+    p2p: Any
+
+
+def _pipeline(c: _Ctx, t_layer, e: _Ends) -> _Pipeline:
+    """1F1B / interleaved schedule: the slowest stage sets the pace, fill and drain add the bubble
+    (sum of stage times - slowest) / VP, and the stage-to-stage sends."""
+    pp, vp, m = c.pp, c.vp, c.m
+    one_stage = pp <= 1
+    st = c.stages
+    # The first/last stages (embedding, loss) hold their own layer counts; the largest middle one.
+    L_first, L_mid, L_last = st.layers[0], np.maximum(st.layers[1], st.layers[2]), st.layers[3]
+    t_last = L_last * t_layer + e.t_out + e.t_mtp + np.where(one_stage, e.t_emb, 0.0)
+    t_first = np.where(one_stage, 0.0, L_first * t_layer + e.t_emb)
+    t_mid = np.where(one_stage, 0.0, L_mid * t_layer)
+    t_max = np.maximum(np.maximum(t_last, t_first), t_mid)
+    last_slowest = t_last >= np.maximum(t_first, t_mid)
+    first_slowest = ~last_slowest & (t_first >= t_mid)
+    layers = np.where(last_slowest, L_last, np.where(first_slowest, L_first, L_mid))
+    t_sum = float(c.shape.num_layers) * t_layer + e.t_out + e.t_emb + e.t_mtp
+    pp_bw, pp_lat = c.link(c.tp * c.cp * c.dp, 2.0)
+    p2p_bytes = c.T * float(c.shape.hidden_size) * 2.0 / np.where(c.sp > 0, c.tp, 1.0)
+    t_p2p = np.where(one_stage, 0.0, 2.0 * (p2p_bytes / (pp_bw * _ramp(p2p_bytes)) + pp_lat + COLLECTIVE_LATENCY_S))
+    bubble = np.where(one_stage, 0.0, (t_sum - t_max) / vp)
+    # 1F1B: blocking send/recv pairs on the critical path every micro-batch and through fill/drain.
+    # Interleaved: Megatron overlaps them with compute (overlap_p2p_comm), vp times as many sends;
+    # only fill/drain stays exposed.
+    pipe_p2p = np.where(vp > 1, m * vp * OVERLAP_SM_TAX * t_p2p + (pp - 1.0) * t_p2p, (m + pp - 1.0) * t_p2p)
+    return _Pipeline(t_max, layers, last_slowest, first_slowest | one_stage, bubble, np.where(one_stage, 0.0, pipe_p2p))
+
+
+# ---- data-parallel gradient / parameter traffic and the optimizer ------------------------------
+
+
+def _data_parallel(c: _Ctx, lay: _LayerAverage) -> tuple:
+    """(exposed DP communication, optimizer step) seconds of the rank that needs the most for both.
+
+    Every evaluated rank reduces the gradients of its own parameters (physics.memory.rank_params,
+    embedding and output layer where they are) over DP x CP (experts over expert-DP) and, with the
+    distributed optimizer, all-gathers them; overlap hides all but the last bucket behind one
+    micro-batch's backward (forward) of the rank's own layers. Tied embeddings with PP > 1: the
+    first and last stage also all-reduce the embedding gradient (finalize_model_grads).
+    """
+    st, impl, shape = c.stages, c.impl, c.shape
+    P_dense, P_exp = st.dense_params, st.expert_params
+    dpc = c.dp * c.cp  # Megatron reduces grads over the dp x cp group and shards the optimizer over it
+    g_bytes = gradient_bytes_per_param(impl.grad_reduce_in_fp32)
+    p_bytes = 1.0 if impl.fp8_param_gather and c.fp8 else WEIGHT_BYTES_PER_PARAM
+    d_bw, d_lat = c.link(c.tp, dpc)
+    e_bw, e_lat = c.link(c.etp * c.ep, c.edp)
+    grad_steps = np.where(c.dist_opt > 0, 1.0, 2.0)  # reduce-scatter vs all-reduce
+    has_exp = 1.0 if shape.is_moe else 0.0
+    t_grad = _ring_s(P_dense * g_bytes, dpc, d_bw, d_lat, grad_steps) + has_exp * _ring_s(P_exp * g_bytes, c.edp, e_bw, e_lat, grad_steps)
+    t_param = np.where(c.dist_opt > 0, _ring_s(P_dense * p_bytes, dpc, d_bw, d_lat) + has_exp * _ring_s(P_exp * p_bytes, c.edp, e_bw, e_lat), 0.0)
+    P_total = P_dense + P_exp
+    bucket_frac = np.minimum(1.0, np.maximum(_BUCKET_MIN_PARAMS, _BUCKET_PARAMS_PER_DP * dpc) / np.maximum(P_total, 1.0))
+    # Overlap window: the backward (forward) of one micro-batch on this rank; the last grad
+    # bucket (first param bucket) can never hide.
+    grad_exp = np.maximum(bucket_frac * t_grad, t_grad - st.layers * (lay.bwd + lay.rc))
+    param_exp = np.maximum(bucket_frac * t_param, t_param - st.layers * lay.fwd)
+    grad_exposed = np.where(c.overlap_grad > 0, grad_exp + OVERLAP_SM_TAX * (t_grad - grad_exp), t_grad)
+    param_exposed = np.where(c.overlap_param > 0, param_exp + OVERLAP_SM_TAX * (t_param - param_exp), t_param)
+    syncs = (c.pp > 1) & (st.first | st.last) & (not shape.untie_embeddings_and_output_weights)
+    emb_sync = np.where(syncs, _ring_s(st.padded_vocab * float(shape.hidden_size) / c.tp * g_bytes, 2.0,
+                                       *c.link(c.tp * c.cp * c.dp, 2.0), 2.0), 0.0)
+    dp_exposed = grad_exposed + param_exposed + emb_sync
+    shard = np.where(c.dist_opt > 0, P_dense / dpc + P_exp / c.edp, P_total)
+    t_opt = (shard * ADAM_BYTES_PER_PARAM + P_total * g_bytes) / c.bw_st + 20 * KERNEL_LAUNCH_S  # + zeroing the grad buffer
+    slot = np.argmax(dp_exposed + t_opt, axis=0)[None, :]
+    return np.take_along_axis(dp_exposed, slot, axis=0)[0], np.take_along_axis(t_opt, slot, axis=0)[0]
+
+
+# ---- assemble ----------------------------------------------------------------------------------
+
+
+def _model(c: _Ctx) -> dict[str, np.ndarray]:
+    L = _dense_layer(c)
+    moe = _moe_layer(c, L) if c.shape.is_moe else None
+    lay = _average_layer(c, L, moe)
+    e = _embedding_and_output(c, L, moe)
+    pipe = _pipeline(c, lay.t_layer, e)
+    dp_exposed, t_opt = _data_parallel(c, lay)
+    m = c.m
+    iter_s = m * pipe.t_max + pipe.bubble + pipe.p2p + dp_exposed + t_opt + ITERATION_OVERHEAD_S
+    # Attribute the slowest stage's per-micro-batch work to the breakdown terms: its layers, and the
+    # output layer, loss and MTP (last stage) or the embedding (first stage) where it holds them;
+    # what the terms leave of the MTP layers goes to elementwise.
+    k = m * pipe.layers
+    out, emb = pipe.with_output, pipe.with_embedding
+    stage_extra = np.where(out, e.t_out + e.t_mtp, 0.0) + np.where(emb, e.t_emb, 0.0)
+    residue = m * (pipe.t_max - (pipe.layers * lay.t_layer + stage_extra))
+    tokens = c.gbs * c.s
+    world = c.tp * c.pp * c.dp * c.cp
+    return {
+        "iteration_time_s": iter_s,
+        "tokens_per_s_per_gpu": tokens / (iter_s * world),
+        "num_microbatches": m,
+        "gemm_s": k * lay.comp["gemm"] + m * np.where(out, e.out_gemm + e.mtp_gemm, 0.0),
+        "attention_s": k * lay.comp["attn"],
+        "ssm_scan_s": k * lay.comp["ssm"],
+        "elementwise_s": k * lay.comp["ew"] + m * (np.where(out, e.out_ew, 0.0) + np.where(emb, e.emb_ew, 0.0)) + residue,
+        "recompute_s": k * lay.rc,
+        "tp_comm_exposed_s": k * lay.comp["tp"] + m * (np.where(out, e.out_tp, 0.0) + np.where(emb, e.emb_tp, 0.0)),
+        "cp_comm_exposed_s": k * lay.comp["cp"],
+        "ep_comm_s": k * lay.comp["ep"],
+        "pp_p2p_s": pipe.p2p,
+        "pipeline_bubble_s": pipe.bubble,
+        "dp_comm_exposed_s": dp_exposed,
+        "optimizer_s": t_opt,
+        "host_bound_s": k * lay.host_gap,
+        "overhead_s": np.zeros_like(iter_s) + ITERATION_OVERHEAD_S,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Plan-level API
 # ---------------------------------------------------------------------------------------------
-
-
-def _layout_kwargs(plan: Plan, shape: ModelShape) -> dict:
-    p, tr, im = plan.parallelism, plan.training, plan.implementation
-    dims = parallel_dims(plan)
-    rc = _RECOMPUTE_CODES[p.recompute_granularity]
-    frac = 1.0
-    if p.recompute_granularity == "full":
-        per_chunk = max(1, shape.num_layers // (dims.pp * dims.vp))
-        frac = recomputed_layer_fraction(per_chunk, p.recompute_method, p.recompute_num_layers)
-    return dict(
-        tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, ep=dims.ep, etp=dims.etp, vp=dims.vp,
-        micro_batch_size=tr.micro_batch_size, sequence_parallel=p.sequence_parallel, recompute=rc,
-        recompute_fraction=frac, use_distributed_optimizer=p.use_distributed_optimizer,
-        overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather,
-        tp_comm_overlap=p.tp_comm_overlap, precision=tr.precision, fp8_recipe=tr.fp8_recipe,
-        fp8_param_gather=tr.fp8_param_gather, transformer_impl=im.transformer_impl,
-        attention_backend=im.attention_backend, grad_reduce_in_fp32=im.grad_reduce_in_fp32,
-        gradient_accumulation_fusion=im.gradient_accumulation_fusion,
-        moe_token_dispatcher_type=im.moe_token_dispatcher_type, moe_grouped_gemm=im.moe_grouped_gemm,
-        cross_entropy_loss_fusion=im.cross_entropy_loss_fusion,
-        recompute_modules=tuple(p.recompute_modules) if p.recompute_modules is not None else None,
-        stage_layers=_uneven_stage_layers(plan, shape),
-    )
-
-
-def _uneven_stage_layers(plan: Plan, shape: ModelShape) -> tuple[int, int, int] | None:
-    p = plan.parallelism
-    pp = p.pipeline_model_parallel_size
-    if pp == 1 or (p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None):
-        return None
-    try:
-        stages = layers_per_stage(shape.num_layers, pp, p.decoder_first_pipeline_num_layers,
-                                  p.decoder_last_pipeline_num_layers)
-    except ValueError:
-        return None  # the validators report the impossible split
-    middle = stages[1:-1] or [0]
-    return stages[0], max(middle), stages[-1]
 
 
 def step_time(plan: Plan, shape: ModelShape | None = None) -> PerfEstimate:
@@ -985,28 +1151,20 @@ def step_time(plan: Plan, shape: ModelShape | None = None) -> PerfEstimate:
     Use it to compare layouts or to explain where a step's time goes; `assumptions` says how
     kernel choices were timed. Layout feasibility is not checked (see validators). Raises
     KeyError for an unknown model or GPU and ValueError for an FP8 plan on a GPU without FP8.
+    A one-row view of `step_time_arrays`, the function the layout search runs on thousands of rows.
     """
     shape = shape or resolve_model(plan.model)
     hw = hardware_params(plan.cluster)
     tr, p = plan.training, plan.parallelism
     if tr.precision == "fp8" and hw.peak_fp8_tflops is None:
         raise ValueError(f"training.precision: '{plan.cluster.gpu}' has no FP8 tensor cores; use 'bf16' or a Hopper/Blackwell GPU")
-    kw = _layout_kwargs(plan, shape)
-    r = step_time_arrays(shape, hw, tr.seq_length, tr.global_batch_size, **kw)
+    r = step_time_arrays(LayoutBatch.from_plan(plan, shape), hw)
     it = _f(r["iteration_time_s"])
     dims = parallel_dims(plan)
     world = dims.tp * dims.pp * dims.dp * dims.cp
-    flop_kw = dict(tensor_model_parallel_size=dims.tp)
-    mf_c = flops_per_iteration(shape, tr.seq_length, tr.global_batch_size, "causal", **flop_kw)
-    mf_f = flops_per_iteration(shape, tr.seq_length, tr.global_batch_size, "full", **flop_kw)
-    hw_kw = dict(
-        recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
-        recompute_num_layers=p.recompute_num_layers, recompute_modules=p.recompute_modules,
-        pipeline_model_parallel_size=dims.pp, virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-        tensor_model_parallel_size=dims.tp,
-    )
-    hf_c = hardware_flops_per_iteration(shape, tr.seq_length, tr.global_batch_size, "causal", **hw_kw)
-    hf_f = hardware_flops_per_iteration(shape, tr.seq_length, tr.global_batch_size, "full", **hw_kw)
+    mf_c, mf_f = (flops_per_iteration(shape, tr.seq_length, tr.global_batch_size, conv, tensor_model_parallel_size=dims.tp)
+                  for conv in ("causal", "full"))
+    hf_c, hf_f = (hardware_flops_per_iteration(shape, tr.seq_length, tr.global_batch_size, conv, p) for conv in ("causal", "full"))
 
     def tf(x):
         return x / (it * world * 1e12)
@@ -1034,11 +1192,11 @@ def step_time(plan: Plan, shape: ModelShape | None = None) -> PerfEstimate:
         mfu_fp8_full_pct=100 * tf(mf_f) / peak8 if fp8 and peak8 else None,
         hfu_bf16_causal_pct=100 * tf(hf_c) / peak,
         hfu_bf16_full_pct=100 * tf(hf_f) / peak,
-        assumptions=_assumptions(plan, kw),
+        assumptions=_assumptions(plan),
     )
 
 
-def _assumptions(plan: Plan, kw: dict) -> list[str]:
+def _assumptions(plan: Plan) -> list[str]:
     im, p = plan.implementation, plan.parallelism
     out = []
     path = _attention_path(im.transformer_impl, im.attention_backend)

@@ -1,12 +1,17 @@
-"""Plan changes: the candidate single-field edits that estimate_memory and the diagnoses evaluate.
+"""Plan changes: the one generator of candidate plan edits, and the memory fixes drawn from it.
 
-Two generators live here side by side (estimate_memory's memory fixes, the diagnoses' speed and
-memory what-ifs); unifying them is issue 13's next stage. Pure: no I/O.
+`plan_changes(plan, purpose)` lists the single changes worth evaluating for speed or for memory
+(a layout, batch, recompute, kernel or precision edit, with the fields that must move with it);
+estimate_memory's suggestions and the OOM diagnosis's fixes both come from `memory_fixes`, the
+same candidates filtered the same way, and the low-MFU diagnosis times the 'speed' candidates.
+Node size, divisibility and Megatron's rules are taken one way for every tool: the cluster's
+gpus_per_node (else the GPU catalog's), and the validators. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,12 +19,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.memory import MemoryBreakdown, memory_breakdown
-from mcore_advisor.schemas import ModelShape, Plan, parallel_dims, with_changes
+from mcore_advisor.physics.step_time import hardware_params
+from mcore_advisor.schemas import ModelShape, ParallelDims, Plan, parallel_dims, with_changes
+from mcore_advisor.validators import errors, validate
 
 # Below this fraction of capacity left, suggest changes even though the plan fits: allocator
 # behaviour and dataset-dependent peaks (MoE routing imbalance, variable sequence lengths) move
 # the real peak by a few percent.
 LOW_HEADROOM_FRACTION = 0.05
+MIN_SAVING_GIB = 0.05
+"""A memory fix must lower the total per-GPU memory by more than this (smaller is rounding)."""
+
+Purpose = Literal["speed", "memory"]
 
 
 class MemoryChange(BaseModel):
@@ -40,198 +51,225 @@ class MemoryChange(BaseModel):
         return f"{self.field} {self.current} -> {self.proposed}: -{self.saves_gib:.1f} GiB"
 
 
+@dataclass(frozen=True)
+class PlanChange:
+    """One candidate edit: the changed plan, each field that moves (dotted name, current, proposed;
+    the first is the one the change is about) and what it costs or requires."""
 
-def _memory_candidates(plan: Plan) -> list[tuple[str, Any, Any, Plan, str]]:
-    """(field, current, proposed, new plan, note) for every change that could lower memory."""
-    shape = resolve_model(plan.model)
-    d = parallel_dims(plan)
-    p, t, im, cl = plan.parallelism, plan.training, plan.implementation, plan.cluster
-    out: list[tuple[str, Any, Any, Plan, str]] = []
-    P = "parallelism"
+    changes: tuple[tuple[str, Any, Any], ...]
+    plan: Plan
+    note: str | None = None
 
-    def add(section: str, name: str, new: Any, note: str, **extra: Any) -> None:
-        cur = getattr(getattr(plan, section), name)
-        out.append((f"{section}.{name}", cur, new, with_changes(plan, section, **{name: new}, **extra), note))
+    @property
+    def fields(self) -> list[str]:
+        return [f for f, _, _ in self.changes]
 
-    if not im.expandable_segments:
-        add("implementation", "expandable_segments", True,
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; no throughput cost")
-    if not p.use_distributed_optimizer and d.dp * d.cp > 1:
-        add(P, "use_distributed_optimizer", True, "shards fp32 main params and Adam state over DP*CP; ~1-2% slower")
-    if im.attention_backend in ("unfused", "local"):
-        add("implementation", "attention_backend", "auto",
-            "flash/fused attention never stores the s x s scores; also faster")
-    if im.cross_entropy_loss_fusion and im.cross_entropy_fusion_impl == "native":
-        if im.transformer_impl == "transformer_engine":
-            add("implementation", "cross_entropy_fusion_impl", "te",
-                "Transformer Engine's cross entropy writes the gradient into the bf16 logits: 2 B/logit instead of 10")
-        add("implementation", "cross_entropy_loss_fusion", False,
-            "unfused vocab-parallel cross entropy works in place: 6 B/logit instead of 10; a few more kernels")
-    if (p.recompute_granularity == "selective" and im.transformer_impl == "transformer_engine"
-            and im.attention_backend not in ("unfused", "local")
-            and set(p.recompute_modules or ["core_attn"]) == {"core_attn"}):
-        # Flash attention stores no s x s scores, and checkpointing it keeps the whole QKV output
-        # alive (physics.memory): with TE, selective core_attn recompute costs memory.
-        add(P, "recompute_granularity", None,
-            "with TE flash attention, recomputing core attention saves nothing and keeps the QKV GEMM output; also faster",
-            recompute_modules=None)
-    if p.recompute_granularity is None:
-        add(P, "recompute_granularity", "selective", "recomputes core attention (Megatron default module): ~2-3% more FLOPs",
-            recompute_modules=None)
-    if p.recompute_granularity != "full":
-        add(P, "recompute_granularity", "full", "reruns every layer's forward: ~25-33% more compute",
-            recompute_method="uniform", recompute_num_layers=1, recompute_modules=None)
-    if t.micro_batch_size > 1:
-        add("training", "micro_batch_size", t.micro_batch_size // 2, "smaller GEMMs, more microbatches")
-    if d.tp > 1 and not p.sequence_parallel:
-        add(P, "sequence_parallel", True, "shards norm/dropout activations over TP at no extra communication")
-    tp2 = d.tp * 2
-    gpn = cl.gpus_per_node or 8
-    # Megatron needs heads and query groups divisible by TP; keep TP inside the NVLink domain.
-    if (shape.num_attention_heads % tp2 == 0 and shape.num_query_groups % tp2 == 0 and tp2 <= gpn
-            and cl.num_gpus % (tp2 * d.pp * d.cp) == 0):
-        add(P, "tensor_model_parallel_size", tp2, f"halves DP to {d.dp // 2}; more TP communication inside the node",
-            sequence_parallel=True)
-    pp2 = d.pp * 2
-    if shape.num_layers % pp2 == 0 and cl.num_gpus % (d.tp * pp2 * d.cp) == 0 and d.dp >= 2:
-        vp = p.virtual_pipeline_model_parallel_size
-        extra = {}
-        if vp and shape.num_layers % (pp2 * vp) != 0:
-            extra["virtual_pipeline_model_parallel_size"] = None
-        add(P, "pipeline_model_parallel_size", pp2, f"halves DP to {d.dp // 2}; larger pipeline bubble", **extra)
-    cp2 = d.cp * 2
-    if t.seq_length >= 8192 and t.seq_length % (2 * cp2) == 0 and cl.num_gpus % (d.tp * d.pp * cp2) == 0 and d.dp >= 2:
-        add(P, "context_parallel_size", cp2, "splits the sequence; ring attention communication")
-    if shape.is_moe and shape.num_experts and shape.num_experts % (d.ep * 2) == 0 and (d.world // (d.etp * d.pp)) % (d.ep * 2) == 0:
-        add(P, "expert_model_parallel_size", d.ep * 2, "fewer experts per GPU; more all-to-all traffic")
-    if im.grad_reduce_in_fp32:
-        add("implementation", "grad_reduce_in_fp32", False, "bf16 gradient buffer and reduction: 2 B/param less, slightly less accurate")
-    return out
+    @property
+    def description(self) -> str:
+        return ", ".join(f"{f} {_fmt(cur)} -> {_fmt(new)}" for f, cur, new in self.changes)
 
-
-def memory_fixes(plan: Plan, bd: MemoryBreakdown) -> list[MemoryChange]:
-    """Single plan changes that lower the most-loaded GPU's total memory, largest saving first."""
-    suggestions: list[MemoryChange] = []
-    for field, cur, new, cand, note in _memory_candidates(plan):
-        try:
-            nb = memory_breakdown(cand)
-        except (KeyError, ValueError):
-            continue
-        saves = bd.total_gib - nb.total_gib
-        if saves <= 0.05:
-            continue
-        suggestions.append(MemoryChange(field=field, current=cur, proposed=new, saves_gib=round(saves, 2),
-                                        total_gib_after=round(nb.total_gib, 2), fits_after=nb.fits, note=note))
-    suggestions.sort(key=lambda c: -c.saves_gib)
-    return suggestions
-
-
-# ---- what-ifs for the diagnoses (speed or memory) ---------------------------------------------
 
 def _fmt(v) -> str:
     return "None" if v is None else str(v)
 
 
-Candidate = tuple[str, list[str], Plan, str | None]
+@dataclass(frozen=True)
+class _Ctx:
+    plan: Plan
+    shape: ModelShape
+    dims: ParallelDims
+    gpus_per_node: int  # the cluster's node size, else the GPU catalog's
 
 
-def _divisors_up(n: int, start: int, limit: int) -> list[int]:
-    return [d for d in range(start + 1, limit + 1) if n % d == 0]
+def _change(c: _Ctx, section: str, note: str | None = None, **values: Any) -> PlanChange | None:
+    """The plan with these fields of one section set; None when nothing changes or a value is
+    outside its field's range (e.g. CP beyond 1024)."""
+    cur = getattr(c.plan, section)
+    values = {k: v for k, v in values.items() if getattr(cur, k) != v}
+    if not values:
+        return None
+    try:
+        changed = with_changes(c.plan, section, **values)
+    except ValueError:
+        return None
+    return PlanChange(tuple((f"{section}.{k}", getattr(cur, k), v) for k, v in values.items()), changed, note)
 
 
-def candidate_changes(plan: Plan, shape: ModelShape, purpose: Literal["speed", "memory"]) -> Iterator[Candidate]:
-    """Single plan changes worth evaluating; each as (description, fields, changed plan, caveat).
+def plan_changes(plan: Plan, purpose: Purpose) -> list[PlanChange]:
+    """Single plan changes worth evaluating for `purpose`, each once (by the plan it makes).
 
-    Layout changes keep the GPU count (DP absorbs TP/PP/CP changes); validity is checked later."""
-    return (c for c in _candidates(plan, shape, purpose) if c is not None)
+    Layout changes keep the GPU count (DP absorbs TP/PP/CP changes); validity is for the caller
+    to check (`memory_fixes` does)."""
+    c = _Ctx(plan, resolve_model(plan.model), parallel_dims(plan), hardware_params(plan.cluster).gpus_per_node)
+    seen: set[str] = set()
+    out = []
+    for gen in (_allocator_and_kernels, _recompute, _batch_and_pipeline, _tensor_parallel, _data_parallel,
+                _context_and_experts, _precision):
+        for ch in gen(c, purpose):
+            key = ch.plan.model_dump_json() if ch is not None else None
+            if key is not None and key not in seen:
+                seen.add(key)
+                out.append(ch)
+    return out
 
 
-def _candidates(plan: Plan, shape: ModelShape, purpose: Literal["speed", "memory"]) -> Iterator[Candidate | None]:
-    p, t, im = plan.parallelism, plan.training, plan.implementation
-    dims = parallel_dims(plan)
-    g = gpu(plan.cluster.gpu)
+def _allocator_and_kernels(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
+    im, impl = c.plan.implementation, "implementation"
+    if purpose == "memory" and not im.expandable_segments:
+        yield _change(c, impl, "environment variable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; no throughput "
+                      "cost (not with CUDA graphs in older PyTorch)", expandable_segments=True)
+    if im.attention_backend in ("unfused", "local"):
+        yield _change(c, impl, "flash/fused attention never stores the s x s scores; also faster", attention_backend="auto")
+    if im.transformer_impl == "local":
+        yield _change(c, impl, "needs Transformer Engine installed (its fused LayerNorm-linear, activation and cuDNN "
+                      "attention kernels)", transformer_impl="transformer_engine", attention_backend="flash")
+    if purpose == "memory" and im.cross_entropy_loss_fusion and im.cross_entropy_fusion_impl == "native":
+        if im.transformer_impl == "transformer_engine":
+            yield _change(c, impl, "Transformer Engine's cross entropy writes the gradient into the bf16 logits: "
+                          "2 B/logit instead of 10", cross_entropy_fusion_impl="te")
+        yield _change(c, impl, "unfused vocab-parallel cross entropy works in place: 6 B/logit instead of 10; a few "
+                      "more kernels", cross_entropy_loss_fusion=False)
+    if purpose == "speed" and not im.gradient_accumulation_fusion and not im.use_torch_fsdp2:
+        yield _change(c, impl, "Megatron's own linear layers need Apex's fused_weight_gradient_mlp_cuda (NGC images "
+                      "ship it); Transformer Engine layers accumulate into main_grad natively",
+                      gradient_accumulation_fusion=True)
 
-    def ch(section: str, caveat: str | None = None, **kv) -> Candidate | None:
-        cur = getattr(plan, section)
-        kv = {k: v for k, v in kv.items() if getattr(cur, k) != v}
-        if not kv:
-            return None
-        desc = ", ".join(f"{section}.{k} {_fmt(getattr(cur, k))} -> {_fmt(v)}" for k, v in kv.items())
-        try:
-            changed = with_changes(plan, section, **kv)
-        except ValueError:  # outside a field's range (e.g. CP beyond 1024): not a candidate
-            return None
-        return desc, [f"{section}.{k}" for k in kv], changed, caveat
 
-    # Interleaved pipeline: fewer bubbles (Narayanan 2021: bubble (p-1)/(v*m)).
-    if dims.pp > 1:
-        per_stage = shape.num_layers // dims.pp
-        cur_vp = p.virtual_pipeline_model_parallel_size or 1
-        for vp in [v for v in _divisors_up(per_stage, cur_vp, per_stage) if v in (2, 3, 4, 5, 6, 8)][:3]:
-            yield ch("parallelism", virtual_pipeline_model_parallel_size=vp)
-    # Micro-batch: bigger GEMMs vs more memory / fewer micro-batches to hide the bubble.
-    for b in (t.micro_batch_size * 2, t.micro_batch_size // 2):
-        if b >= 1 and b != t.micro_batch_size:
-            yield ch("training", micro_batch_size=b)
-    # Recompute ladder.
+def _recompute(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
+    p, im, P = c.plan.parallelism, c.plan.implementation, "parallelism"
     rg = p.recompute_granularity
     if purpose == "speed":
         if rg == "full":
-            yield ch("parallelism", recompute_granularity="selective", recompute_method=None, recompute_num_layers=None, recompute_modules=None)
-            yield ch("parallelism", recompute_granularity=None, recompute_method=None, recompute_num_layers=None, recompute_modules=None)
-        elif rg == "selective":
-            yield ch("parallelism", recompute_granularity=None, recompute_modules=None)
-    else:
-        if rg is None:
-            yield ch("parallelism", recompute_granularity="selective")
-        if rg != "full":
-            yield ch("parallelism", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, recompute_modules=None)
-    # Tensor parallelism: smaller TP for bigger GEMMs and less exposed communication; larger for memory.
-    if purpose == "speed" and dims.tp > 1:
-        tp = dims.tp // 2
-        yield ch("parallelism", tensor_model_parallel_size=tp, sequence_parallel=p.sequence_parallel and tp > 1,
-                 tp_comm_overlap=p.tp_comm_overlap and tp > 1)
-    if purpose == "memory" and dims.tp * 2 <= g.gpus_per_node:
-        yield ch("parallelism", tensor_model_parallel_size=dims.tp * 2, sequence_parallel=True)
-    if dims.tp > 1 and not p.sequence_parallel:
-        yield ch("parallelism", sequence_parallel=True)
-    if purpose == "speed" and dims.tp > 1 and p.sequence_parallel and not p.tp_comm_overlap and im.transformer_impl == "transformer_engine":
-        yield ch("parallelism", tp_comm_overlap=True, caveat="needs Transformer Engine userbuffers (and --tp-comm-overlap support on the cluster)")
-    # Pipeline: more stages for memory.
-    if purpose == "memory" and shape.num_layers % (dims.pp * 2) == 0:
-        yield ch("parallelism", pipeline_model_parallel_size=dims.pp * 2)
-    # Data-parallel plumbing.
-    if not p.use_distributed_optimizer and dims.dp * dims.cp > 1:
-        yield ch("parallelism", use_distributed_optimizer=True)
+            yield _change(c, P, "reruns only core attention", recompute_granularity="selective", recompute_method=None,
+                          recompute_num_layers=None, recompute_modules=None)
+        if rg is not None:
+            yield _change(c, P, "no forward rerun in backward; more activation memory", recompute_granularity=None,
+                          recompute_method=None, recompute_num_layers=None, recompute_modules=None)
+        return
+    if (rg == "selective" and im.transformer_impl == "transformer_engine" and im.attention_backend not in ("unfused", "local")
+            and set(p.recompute_modules or ["core_attn"]) == {"core_attn"}):
+        # Flash attention stores no s x s scores, and checkpointing it keeps the whole QKV output
+        # alive (physics.memory): with TE, selective core_attn recompute costs memory.
+        yield _change(c, P, "with TE flash attention, recomputing core attention saves nothing and keeps the QKV "
+                      "GEMM output; also faster", recompute_granularity=None, recompute_modules=None)
+    if rg is None:
+        yield _change(c, P, "recomputes core attention (Megatron default module): ~2-3% more FLOPs",
+                      recompute_granularity="selective", recompute_modules=None)
+    if rg != "full":
+        yield _change(c, P, "reruns every layer's forward: ~25-33% more compute", recompute_granularity="full",
+                      recompute_method="uniform", recompute_num_layers=1, recompute_modules=None)
+
+
+def _batch_and_pipeline(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
+    t, p, d, L = c.plan.training, c.plan.parallelism, c.dims, c.shape.num_layers
     if purpose == "speed":
-        if not p.overlap_grad_reduce and dims.dp * dims.cp > 1:
-            yield ch("parallelism", overlap_grad_reduce=True)
-        if not p.overlap_param_gather and p.use_distributed_optimizer and dims.dp * dims.cp > 1:
-            yield ch("parallelism", overlap_param_gather=True)
-    # Context / expert parallel.
-    if dims.cp > 1 and purpose == "speed":
-        yield ch("parallelism", context_parallel_size=dims.cp // 2)
-    if purpose == "memory" and t.seq_length >= 8192:
-        yield ch("parallelism", context_parallel_size=dims.cp * 2)
-    if shape.is_moe and shape.num_experts:
-        for ep in (dims.ep * 2, dims.ep // 2):
-            if ep >= 1 and ep != dims.ep and shape.num_experts % ep == 0:
-                yield ch("parallelism", expert_model_parallel_size=ep)
-    # Kernels and precision.
-    if im.attention_backend in ("unfused", "local") or im.transformer_impl == "local":
-        if im.transformer_impl == "local":
-            yield ch("implementation", transformer_impl="transformer_engine", attention_backend="flash",
-                     caveat="needs Transformer Engine installed (its fused LayerNorm-linear, activation and cuDNN attention kernels)")
-        else:
-            yield ch("implementation", attention_backend="flash")
-    if purpose == "speed" and t.precision == "bf16" and g.fp8_dense_tflops and im.transformer_impl == "transformer_engine":
-        yield ch("training", precision="fp8", caveat="changes numerics: validate the loss curve against bf16 first")
-    if purpose == "speed" and not im.gradient_accumulation_fusion and not im.use_torch_fsdp2:
-        yield ch("implementation", gradient_accumulation_fusion=True,
-                 caveat="Megatron's own linear layers need Apex's fused_weight_gradient_mlp_cuda (NGC images ship it); "
-                        "Transformer Engine layers accumulate into main_grad natively")
-    if purpose == "memory" and not im.expandable_segments:
-        yield ch("implementation", expandable_segments=True, caveat="environment variable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; not with CUDA graphs in older PyTorch")
+        yield _change(c, "training", "bigger GEMMs; more activation memory, fewer micro-batches to fill the pipeline",
+                      micro_batch_size=t.micro_batch_size * 2)
+    if t.micro_batch_size > 1:
+        yield _change(c, "training", "smaller GEMMs, more microbatches", micro_batch_size=t.micro_batch_size // 2)
+    if purpose == "speed" and d.pp > 1:
+        # Interleaved pipeline: fewer bubbles (Narayanan 2021: bubble (p-1)/(v*m)).
+        per_stage, cur = L // d.pp, p.virtual_pipeline_model_parallel_size or 1
+        for vp in [v for v in range(cur + 1, per_stage + 1) if per_stage % v == 0 and v in (2, 3, 4, 5, 6, 8)][:3]:
+            yield _change(c, "parallelism", "smaller bubble; more activations in flight and more send/receive",
+                          virtual_pipeline_model_parallel_size=vp)
+    pp2 = d.pp * 2
+    if purpose == "memory" and L % pp2 == 0 and c.plan.cluster.num_gpus % (d.tp * pp2 * d.cp) == 0 and d.dp >= 2:
+        vp = p.virtual_pipeline_model_parallel_size
+        extra = {"virtual_pipeline_model_parallel_size": None} if vp and L % (pp2 * vp) else {}
+        yield _change(c, "parallelism", f"halves DP to {d.dp // 2}; larger pipeline bubble",
+                      pipeline_model_parallel_size=pp2, **extra)
+
+
+def _tensor_parallel(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
+    p, d, s, P = c.plan.parallelism, c.dims, c.shape, "parallelism"
+    if purpose == "speed" and d.tp > 1:
+        tp = d.tp // 2
+        yield _change(c, P, "bigger GEMMs and less TP communication; more memory per GPU", tensor_model_parallel_size=tp,
+                      sequence_parallel=p.sequence_parallel and tp > 1, tp_comm_overlap=p.tp_comm_overlap and tp > 1)
+    tp2 = d.tp * 2
+    # Megatron needs heads and query groups divisible by TP; keep TP inside the NVLink domain.
+    if (purpose == "memory" and s.num_attention_heads % tp2 == 0 and s.num_query_groups % tp2 == 0
+            and tp2 <= c.gpus_per_node and c.plan.cluster.num_gpus % (tp2 * d.pp * d.cp) == 0):
+        yield _change(c, P, f"halves DP to {d.dp // 2}; more TP communication inside the node",
+                      tensor_model_parallel_size=tp2, sequence_parallel=True)
+    if d.tp > 1 and not p.sequence_parallel:
+        yield _change(c, P, "shards norm/dropout activations over TP at no extra communication", sequence_parallel=True)
+    if (purpose == "speed" and d.tp > 1 and p.sequence_parallel and not p.tp_comm_overlap
+            and c.plan.implementation.transformer_impl == "transformer_engine"):
+        yield _change(c, P, "needs Transformer Engine userbuffers (and --tp-comm-overlap support on the cluster)",
+                      tp_comm_overlap=True)
+
+
+def _data_parallel(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
+    p, d, P = c.plan.parallelism, c.dims, "parallelism"
+    if d.dp * d.cp <= 1:
+        return
+    if not p.use_distributed_optimizer:
+        yield _change(c, P, "shards the fp32 main params and Adam state over DP*CP (reduce-scatter + all-gather "
+                      "instead of all-reduce)", use_distributed_optimizer=True)
+    if purpose == "speed" and not p.overlap_grad_reduce:
+        yield _change(c, P, "hides the gradient reduction behind the backward", overlap_grad_reduce=True)
+    if purpose == "speed" and not p.overlap_param_gather and p.use_distributed_optimizer:
+        yield _change(c, P, "hides the parameter all-gather behind the forward", overlap_param_gather=True)
+
+
+def _context_and_experts(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
+    d, s, t, P, n = c.dims, c.shape, c.plan.training, "parallelism", c.plan.cluster.num_gpus
+    if purpose == "speed" and d.cp > 1:
+        yield _change(c, P, "less ring-attention communication; more activation memory", context_parallel_size=d.cp // 2)
+    cp2 = d.cp * 2
+    if purpose == "memory" and t.seq_length >= 8192 and t.seq_length % (2 * cp2) == 0 and n % (d.tp * d.pp * cp2) == 0 and d.dp >= 2:
+        yield _change(c, P, "splits the sequence; ring attention communication", context_parallel_size=cp2)
+    if s.is_moe and s.num_experts:
+        for ep in (d.ep * 2, d.ep // 2):
+            if ep >= 1 and ep != d.ep and s.num_experts % ep == 0 and (d.world // (d.etp * d.pp)) % ep == 0:
+                note = "fewer experts per GPU; more all-to-all traffic" if ep > d.ep else "less all-to-all traffic; more experts per GPU"
+                yield _change(c, P, note, expert_model_parallel_size=ep)
+
+
+def _precision(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
+    t, im = c.plan.training, c.plan.implementation
+    if (purpose == "speed" and t.precision == "bf16" and gpu(c.plan.cluster.gpu).fp8_dense_tflops
+            and im.transformer_impl == "transformer_engine"):
+        yield _change(c, "training", "changes numerics: validate the loss curve against bf16 first", precision="fp8")
     if im.grad_reduce_in_fp32:
-        yield ch("implementation", grad_reduce_in_fp32=False,
-                 caveat="last resort: bf16 gradient reduction loses precision over many data-parallel ranks")
+        yield _change(c, "implementation", "last resort: bf16 gradient buffer and reduction lose precision over many "
+                      "data-parallel ranks (2 B/param less)", grad_reduce_in_fp32=False)
+
+
+# ---- memory fixes: the same for estimate_memory and the OOM diagnosis ------------------------
+
+
+@dataclass(frozen=True)
+class MemoryFix:
+    change: PlanChange
+    memory: MemoryBreakdown  # the changed plan's
+    saves_gib: float
+
+
+def memory_fix_candidates(plan: Plan, base: MemoryBreakdown) -> list[MemoryFix]:
+    """The 'memory' changes that add no validator error to the plan's and lower the most-loaded
+    GPU's total memory by more than MIN_SAVING_GIB, largest saving first."""
+    base_errors = {f.code for f in errors(validate(plan))}
+    out = []
+    for ch in plan_changes(plan, "memory"):
+        try:
+            if {f.code for f in errors(validate(ch.plan))} - base_errors:
+                continue
+            nb = memory_breakdown(ch.plan)
+        except (KeyError, ValueError, ArithmeticError):
+            continue
+        saves = base.total_gib - nb.total_gib
+        if saves > MIN_SAVING_GIB:
+            out.append(MemoryFix(ch, nb, saves))
+    out.sort(key=lambda f: -f.saves_gib)
+    return out
+
+
+def memory_fixes(plan: Plan, bd: MemoryBreakdown) -> list[MemoryChange]:
+    """estimate_memory's suggestions: `memory_fix_candidates`, each by the field it is about."""
+    return [MemoryChange(field=f.change.changes[0][0], current=f.change.changes[0][1], proposed=f.change.changes[0][2],
+                         saves_gib=round(f.saves_gib, 2), total_gib_after=round(f.memory.total_gib, 2),
+                         fits_after=f.memory.fits, note=f.change.note or "")
+            for f in memory_fix_candidates(plan, bd)]

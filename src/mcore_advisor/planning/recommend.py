@@ -1,7 +1,7 @@
 """recommend_parallelism(request): the fastest layouts that fit, why they win, and what else to know.
 
-The search itself lives in planning/search.py (enumeration, the validators' fast path, a vectorised
-replica of physics/memory.py, physics/step_time.step_time_arrays). This module turns a request into search
+The search itself lives in planning/search.py (enumeration, the validators' fast path, one LayoutBatch
+through physics.memory.memory_arrays and physics.step_time.step_time_arrays). This module turns a request into search
 inputs, re-checks the winners with `evaluate_plan` (so every figure returned is exactly the shared
 core's), explains the ranking from the step-time breakdowns, finds the nearest published run,
 re-runs a quicker search for 2x the GPUs and a 2x longer sequence, and, when nothing fits, says what
@@ -14,10 +14,14 @@ Pure: no clock, no I/O. `recommend_parallelism(..., clock=time.perf_counter)` le
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
+import annotated_types
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,7 +29,7 @@ from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import count_params, resolve_model
 from mcore_advisor.knowledge.runs import plan_for_run, published_runs
 from mcore_advisor.physics.evaluate import Evaluation, evaluate_plan
-from mcore_advisor.physics.memory import CUDA_CONTEXT_GIB
+from mcore_advisor.physics.memory import CUDA_CONTEXT_GIB, model_state_bytes_per_param
 from mcore_advisor.physics.step_time import hardware_params, step_time
 from mcore_advisor.planning.plan_changes import LOW_HEADROOM_FRACTION
 from mcore_advisor.planning.search import (
@@ -37,8 +41,12 @@ from mcore_advisor.planning.search import (
     SearchInputs,
     SearchOutcome,
     search,
+    space_size,
 )
 from mcore_advisor.schemas import (
+    MAX_GLOBAL_BATCH_SIZE,
+    MAX_MICRO_BATCH_SIZE,
+    MAX_NUM_LAYERS,
     ClusterSpec,
     Finding,
     ImplementationSpec,
@@ -48,11 +56,33 @@ from mcore_advisor.schemas import (
     Plan,
     TrainingSpec,
     layers_per_stage,
+    with_changes,
 )
 from mcore_advisor.validators import validate
 
 _INPUT = ConfigDict(extra="forbid", frozen=True)
 _RESULT = ConfigDict(frozen=True)
+
+MAX_LAYOUTS = 20_000
+"""Layouts the main search of one call may enumerate. Each costs 0.05-0.4 ms of CPU (measured on a
+2-core host: Qwen3-30B-A3B on 16,384 GPUs enumerates 135,152 and took 16 s; DeepSeek-V3 on 16,384,
+38,898 and 4.9 s; GPT-OSS-20B on 256, 19,464 and 3.5 s). Over it the quicker space is searched
+instead, and a note says so. The largest published run the quality benchmark searches enumerates
+15,408 (Qwen3-235B-A22B on 256), so none of them is affected."""
+MAX_FOLLOW_UP_LAYOUTS = 20_000
+"""Layouts all follow-up quick searches of one call (what-ifs, no-fit suggestions) may enumerate together."""
+QUICK_SPACE = "TP within a node, ETP 1 or TP, CP a power of two, SP on, micro-batch <= 8, distributed optimizer on"
+
+
+@dataclass
+class _Budget:
+    left: int
+    skipped: int = 0
+
+
+# Per call (set by recommend_parallelism): the follow-up searches share one budget without every
+# helper carrying it.
+_follow_ups: ContextVar[_Budget] = ContextVar("follow_up_budget")
 
 # Megatron-Core optimizer CPU offload (megatron/core/optimizer/cpu_offloading/README.md).
 CPU_OFFLOAD_FLAGS = "--optimizer-cpu-offload --optimizer-offload-fraction 1.0 --use-precision-aware-optimizer"
@@ -63,26 +93,35 @@ CPU_OFFLOAD_FLAGS = "--optimizer-cpu-offload --optimizer-offload-fraction 1.0 --
 # ---------------------------------------------------------------------------------------------
 
 
+def _le(model: type[BaseModel], name: str) -> int:
+    """The upper bound a plan field declares, so a pinned value is bounded exactly like the plan's own."""
+    return next(m.le for m in model.model_fields[name].metadata if isinstance(m, annotated_types.Le))
+
+
+_PINNED_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "data_parallel_size")
+
+
 class FixedParallelism(BaseModel):
     """Dimensions to pin; every field left None is searched."""
 
     model_config = _INPUT
 
-    tensor_model_parallel_size: int | None = Field(None, ge=1, description="Pin TP.")
-    pipeline_model_parallel_size: int | None = Field(None, ge=1, description="Pin PP.")
-    virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1, description="Pin VP (model chunks per stage); 1 = not interleaved.")
-    decoder_first_pipeline_num_layers: int | None = Field(None, ge=1, description="Pin the first stage's layer count (uneven split).")
-    decoder_last_pipeline_num_layers: int | None = Field(None, ge=1, description="Pin the last stage's layer count (uneven split).")
-    context_parallel_size: int | None = Field(None, ge=1, description="Pin CP.")
-    expert_model_parallel_size: int | None = Field(None, ge=1, description="Pin EP.")
-    expert_tensor_parallel_size: int | None = Field(None, ge=1, description="Pin ETP (TP inside experts).")
-    data_parallel_size: int | None = Field(None, ge=1, description="Pin DP (= num_gpus / (TP*PP*CP)).")
-    micro_batch_size: int | None = Field(None, ge=1, description="Pin the micro-batch size (samples).")
+    tensor_model_parallel_size: int | None = Field(None, ge=1, le=_le(ParallelismSpec, "tensor_model_parallel_size"), description="Pin TP.")
+    pipeline_model_parallel_size: int | None = Field(None, ge=1, le=_le(ParallelismSpec, "pipeline_model_parallel_size"), description="Pin PP.")
+    virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1, le=_le(ParallelismSpec, "virtual_pipeline_model_parallel_size"), description="Pin VP (model chunks per stage); 1 = not interleaved.")
+    decoder_first_pipeline_num_layers: int | None = Field(None, ge=1, le=MAX_NUM_LAYERS, description="Pin the first stage's layer count (uneven split).")
+    decoder_last_pipeline_num_layers: int | None = Field(None, ge=1, le=MAX_NUM_LAYERS, description="Pin the last stage's layer count (uneven split).")
+    context_parallel_size: int | None = Field(None, ge=1, le=_le(ParallelismSpec, "context_parallel_size"), description="Pin CP.")
+    expert_model_parallel_size: int | None = Field(None, ge=1, le=_le(ParallelismSpec, "expert_model_parallel_size"), description="Pin EP.")
+    expert_tensor_parallel_size: int | None = Field(None, ge=1, le=_le(ParallelismSpec, "expert_tensor_parallel_size"), description="Pin ETP (TP inside experts).")
+    data_parallel_size: int | None = Field(None, ge=1, le=_le(ClusterSpec, "num_gpus"), description="Pin DP (= num_gpus / (TP*PP*CP)).")
+    micro_batch_size: int | None = Field(None, ge=1, le=MAX_MICRO_BATCH_SIZE, description="Pin the micro-batch size (samples).")
     sequence_parallel: bool | None = Field(None, description="Pin sequence parallelism (only matters with TP > 1).")
     use_distributed_optimizer: bool | None = Field(None, description="Pin the distributed optimizer on or off.")
     recompute_granularity: Literal["none", "selective", "full"] | None = Field(None, description="Pin activation recompute: 'none' = off, 'selective' = Megatron's default modules (core_attn), 'full' = whole layers.")
     recompute_method: Literal["uniform", "block"] | None = Field(None, description="Pin the full-recompute method (implies recompute_granularity 'full').")
-    recompute_num_layers: int | None = Field(None, ge=1, description="Pin recompute_num_layers (group size for uniform, layers per chunk for block).")
+    recompute_num_layers: int | None = Field(None, ge=1, le=MAX_NUM_LAYERS, description="Pin recompute_num_layers (group size for uniform, layers per chunk for block).")
 
     @model_validator(mode="after")
     def _coherent(self) -> FixedParallelism:
@@ -102,25 +141,28 @@ class RecommendRequest(BaseModel):
     model: ModelSpec = Field(description="Model: a catalog name (e.g. 'llama3-70b') and/or explicit shape fields.")
     cluster: ClusterSpec = Field(description="GPU type and count (num_gpus is the world size the plan must use).")
     seq_length: int = Field(ge=1, le=4_194_304, description="Tokens per sample.")
-    global_batch_size: int | None = Field(None, ge=1, description="Samples per optimizer step; None = about 4M tokens per step (a power of two) but at least one sample per 8 GPUs.")
+    global_batch_size: int | None = Field(None, ge=1, le=MAX_GLOBAL_BATCH_SIZE, description="Samples per optimizer step; None = about 4M tokens per step (a power of two) but at least one sample per 8 GPUs.")
     precision: Literal["bf16", "fp8"] = Field("bf16", description="Training precision; 'fp8' = Transformer Engine FP8 GEMMs (Hopper or newer).")
     allow_fp8: bool = Field(False, description="With precision 'bf16', also consider FP8 and recommend it when faster (needs a GPU with FP8 and Transformer Engine).")
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = Field("delayed", description="FP8 scaling recipe for FP8 candidates (--fp8-recipe).")
     fixed: FixedParallelism = Field(default_factory=FixedParallelism, description="Dimensions to pin (partial ParallelismSpec names, plus data_parallel_size and micro_batch_size).")
-    max_tensor_model_parallel_size: int | None = Field(None, ge=1, description="Upper bound on TP (and on ETP); None = no bound beyond the model's divisibility.")
+    max_tensor_model_parallel_size: int | None = Field(None, ge=1, le=_le(ParallelismSpec, "tensor_model_parallel_size"), description="Upper bound on TP (and on ETP); None = no bound beyond the model's divisibility.")
     min_headroom_gib: float = Field(0.0, ge=0, description="Memory that must stay free on the most-loaded GPU, GiB, on top of the memory model's fragmentation and CUDA-context allowances.")
     min_headroom_fraction: float = Field(LOW_HEADROOM_FRACTION, ge=0, le=0.5, description="The same as a fraction of GPU capacity (default: the 5% below which estimate_memory suggests changes, for routing imbalance and data-dependent peaks); the larger of the two applies.")
     allow_recompute: bool = Field(True, description="Allow activation recomputation (selective or full); False = none.")
     transformer_impl: Literal["transformer_engine", "local"] | None = Field(None, description="Layer spec; None = implementation.transformer_impl (Transformer Engine by default).")
-    implementation: ImplementationSpec = Field(default_factory=ImplementationSpec, description="Kernel and buffer choices held fixed during the search (use_torch_fsdp2 is not searched).")
+    implementation: ImplementationSpec = Field(default_factory=ImplementationSpec, description="Kernel and buffer choices held fixed during the search (with use_torch_fsdp2 the search covers FSDP2 layouts: no PP, EP or distributed optimizer).")
     top_k: int = Field(5, ge=1, le=20, description="How many plans (distinct TP/PP/CP/EP/ETP/precision layouts) to return.")
     what_if: bool = Field(True, description="Also answer 'what if 2x the GPUs' and 'what if a 2x longer sequence' with a quicker search.")
 
     @model_validator(mode="after")
     def _coherent(self) -> RecommendRequest:
-        if self.implementation.use_torch_fsdp2:
-            raise ValueError("implementation.use_torch_fsdp2: the search covers DDP + distributed-optimizer layouts; set it to false")
         mt, fx = self.max_tensor_model_parallel_size, self.fixed
+        for name in _PINNED_SIZES:
+            v = getattr(fx, name)
+            if v is not None and v > self.cluster.num_gpus:
+                raise ValueError(f"fixed.{name}: {v} is more than cluster.num_gpus ({self.cluster.num_gpus}); "
+                                 "a parallel size cannot exceed the world size: pin a smaller one or add GPUs")
         for name in ("tensor_model_parallel_size", "expert_tensor_parallel_size"):
             v = getattr(fx, name)
             if mt is not None and v is not None and v > mt:
@@ -155,8 +197,6 @@ def request_from_options(
     seq_length: int = 4096,
     global_batch_size: int | None = None,
     precision: Literal["bf16", "fp8"] = "bf16",
-    gpus_per_node: int | None = None,
-    top_k: int = 5,
     **options,
 ) -> RecommendRequest:
     """Build a request from CLI-style flags, e.g. `mcore-advisor recommend --model llama3-70b
@@ -164,11 +204,13 @@ def request_from_options(
 
     `model` is a catalog key or alias. Extra options: any RecommendRequest field
     (max_tensor_model_parallel_size, min_headroom_gib, allow_fp8, allow_recompute,
-    transformer_impl, what_if, ...), or a pinned dimension by its FixedParallelism name or short
-    alias (tp, pp, vp, cp, ep, etp, dp, mbs, sp, recompute); None values are ignored.
+    transformer_impl, what_if, top_k, ...), gpus_per_node (the cluster's), or a pinned dimension by
+    its FixedParallelism name or short alias (tp, pp, vp, cp, ep, etp, dp, mbs, sp, recompute); None
+    values are ignored.
     Raises KeyError for an unknown model or GPU, ValueError for an unknown option.
     """
     resolve_model(ModelSpec(name=model))  # KeyError with close matches, before anything else
+    gpus_per_node = options.pop("gpus_per_node", None)
     fixed: dict = {}
     top: dict = {}
     for key, value in options.items():
@@ -188,7 +230,6 @@ def request_from_options(
         seq_length=seq_length,
         global_batch_size=global_batch_size,
         precision=precision,
-        top_k=top_k,
         fixed=FixedParallelism(**fixed),
         **top,
     )
@@ -247,7 +288,8 @@ class NearestRun(BaseModel):
     flop_convention: str = Field(description="Convention of measured_tflops_per_gpu ('full', 'full+recompute' = counts recompute, 'causal').")
     measured_mfu_pct: float | None
     predicted_tokens_per_s_per_gpu: float | None = Field(description="This tool's prediction for that published plan (a calibration hint).")
-    distance: float = Field(description="|ln params ratio| + GPU mismatch (0.5 same architecture, 1 other) + 0.5|log2 seq ratio| + 0.25|log2 GPU-count ratio| + 0.5 dense/MoE mismatch + 0.75 BF16/FP8 mismatch with the recommended plan.")
+    distance: float = Field(description="Within the best-matching tier (same precision, then same GPU, then same model family, in that order): |ln params ratio| + GPU mismatch (0.5 same architecture, 1 other) + 0.5|log2 seq ratio| + 0.25|log2 GPU-count ratio| + 0.5 dense/MoE mismatch + 0.75 BF16/FP8 mismatch with the recommended plan.")
+    differences: list[str] = Field(default_factory=list, description="How the published run differs from the plan it is compared with (precision, GPU, model family, size, sequence, GPU count); empty = a like-for-like run.")
 
 
 class WhatIf(BaseModel):
@@ -331,6 +373,21 @@ def recommend_parallelism(request: RecommendRequest, *, clock: Callable[[], floa
     if request.global_batch_size is None:
         notes.append(f"global_batch_size not given: {gbs} ({gbs * request.seq_length / 1e6:.1f}M tokens per step) used")
     inp = _inputs(request, shape, gbs)
+    size = space_size(inp)
+    if size > MAX_LAYOUTS:
+        inp = _inputs(request, shape, gbs, quick=True)
+        notes.append(f"the full search space has {size:,} layouts, more than the {MAX_LAYOUTS:,} one answer may take: "
+                     f"searched the quicker space instead ({QUICK_SPACE}; {space_size(inp):,} layouts); pin dimensions "
+                     "(fixed tp, pp, ep, ...) to search the rest in full")
+    token = _follow_ups.set(_Budget(left=MAX_FOLLOW_UP_LAYOUTS))
+    try:
+        return _recommend(request, shape, g, gbs, inp, notes, clock, t0)
+    finally:
+        _follow_ups.reset(token)
+
+
+def _recommend(request: RecommendRequest, shape: ModelShape, g, gbs: int, inp: SearchInputs, notes: list[str],
+               clock: Callable[[], float] | None, t0: float | None) -> Recommendation:
     out = search(inp)
     t_search = clock() if clock else None
     plans, verified, rejected = _top_plans(request, inp, out, request.top_k)
@@ -354,6 +411,9 @@ def recommend_parallelism(request: RecommendRequest, *, clock: Callable[[], floa
         "option of it, and the distributed optimizer is never slower or larger in this model"
     )
     notes.append(f"memory must leave {inp.required_headroom_gib:.1f} GiB of {capacity:.1f} GiB free on the most-loaded GPU")
+    if _follow_ups.get().skipped:
+        notes.append(f"{_follow_ups.get().skipped} follow-up search(es) (what-ifs, suggestions) skipped: together they would "
+                     f"enumerate more than {MAX_FOLLOW_UP_LAYOUTS:,} layouts")
     if any(p.plan.parallelism.decoder_first_pipeline_num_layers or p.plan.parallelism.decoder_last_pipeline_num_layers for p in plans):
         notes.append(
             "uneven pipeline split: decoder_first/last_pipeline_num_layers put fewer layers on the first/last stage "
@@ -591,6 +651,7 @@ def _top_plans(request: RecommendRequest, inp: SearchInputs, out: SearchOutcome,
 _TERMS = {
     "gemm_s": "GEMM time",
     "attention_s": "core attention",
+    "ssm_scan_s": "Mamba-2 convolution and SSD scan",
     "elementwise_s": "elementwise/memory-bound ops",
     "recompute_s": "activation recompute",
     "tp_comm_exposed_s": "exposed TP/SP communication",
@@ -634,6 +695,7 @@ _CAUSES = {
     "recompute_s": ("rc",),
     "gemm_s": ("tp", "cp", "m", "prec"),
     "attention_s": ("tp", "cp"),
+    "ssm_scan_s": ("tp", "cp"),
     "elementwise_s": ("tp", "cp", "prec"),
 }
 
@@ -739,32 +801,76 @@ def _precision_family(text: str | None) -> str | None:
     return "fp8" if "fp8" in t else ("bf16" if "bf16" in t or "fp16" in t else None)
 
 
+_FAMILIES = ("llama", "mixtral", "qwen", "deepseek", "nemotron", "gpt")
+
+
+def row_is_moe(run) -> bool:
+    """A published row is an MoE run when it uses expert parallelism or its name has the -A<active>B suffix
+    ('Qwen3-235B-A22B'): rows without a reconstructable plan say no more."""
+    return (run.expert_model_parallel_size or 1) > 1 or re.search(r"-A\d+(?:\.\d+)?B\b", run.model) is not None
+
+
+def _family(name: str | None, moe: bool | None) -> tuple[bool | None, str | None]:
+    """(MoE?, name family): what 'the same kind of model' means for a comparison."""
+    n = (name or "").lower()
+    return moe, next((f for f in _FAMILIES if f in n), None)
+
+
+def _run_differences(run, p_run: float, params: float, gpu_key: str, fam: tuple, run_fam: tuple,
+                     precision: str | None, seq_length: int, num_gpus: int) -> list[str]:
+    out = []
+    rp = _precision_family(run.precision)
+    if precision is not None and rp is not None and rp != precision:
+        out.append(f"precision {rp.upper()} (this plan: {precision.upper()})")
+    if run.gpu != gpu_key:
+        out.append(f"GPU {run.gpu} (this plan: {gpu_key})")
+    if run_fam[0] is not None and run_fam[0] != fam[0]:
+        out.append(f"{'MoE' if run_fam[0] else 'dense'} model (this plan: {'MoE' if fam[0] else 'dense'})")
+    if run_fam[1] != fam[1]:
+        out.append(f"model {run.model}, another family than this plan's {fam[1] or 'custom model'}")
+    if abs(math.log(p_run / params)) > math.log(1.1):
+        out.append(f"{p_run / 1e9:,.1f}B parameters (this plan: {params / 1e9:,.1f}B)")
+    if run.seq_length != seq_length:
+        out.append(f"sequence {run.seq_length} (this plan: {seq_length})")
+    if run.num_gpus != num_gpus:
+        out.append(f"{run.num_gpus} GPUs (this plan: {num_gpus})")
+    return out
+
+
 def nearest_published_run(shape: ModelShape, cluster: ClusterSpec, seq_length: int,
                           precision: str | None = None) -> NearestRun | None:
-    """The published run closest in model size, GPU, sequence length, GPU count and precision
-    (see NearestRun.distance): an FP8 run is no yardstick for a BF16 plan."""
+    """The published run that matches the plan's precision, GPU and model family first (an FP8 run is no
+    yardstick for a BF16 plan, nor an A100 run for an H100 one), then is closest in size, sequence length
+    and GPU count (NearestRun.distance); it lists what still differs."""
     params = float(count_params(shape, seq_length))
     g = gpu(cluster.gpu)
+    fam = _family(shape.name, shape.is_moe)
     best = None
     for run, p_run, moe, pred in _run_table():
         if p_run is None or run.num_gpus is None or run.seq_length is None:
             continue
         if run.measured_tokens_per_sec_per_gpu is None and run.measured_tflops_per_gpu is None:
             continue
+        moe = row_is_moe(run) if moe is None else moe
+        run_fam = _family(run.model, moe)
+        rp = _precision_family(run.precision)
+        same_arch = bool(run.gpu) and gpu(run.gpu).architecture == g.architecture
+        tier = (int(precision is not None and rp is not None and rp != precision),
+                0 if run.gpu == g.key else (1 if same_arch else 2),
+                int(moe is not None and moe != shape.is_moe) + int(run_fam[1] != fam[1]))
         d = abs(math.log(params / p_run))
         if run.gpu != g.key:
-            d += 0.5 if (run.gpu and gpu(run.gpu).architecture == g.architecture) else 1.0
+            d += 0.5 if same_arch else 1.0
         d += 0.5 * abs(math.log2(seq_length / run.seq_length)) + 0.25 * abs(math.log2(cluster.num_gpus / run.num_gpus))
         if moe is not None and moe != shape.is_moe:
             d += 0.5
-        fam = _precision_family(run.precision)
-        if precision is not None and fam is not None and fam != precision:
+        if tier[0]:
             d += 0.75
-        if best is None or d < best[0]:
-            best = (d, run, p_run, pred)
+        if best is None or (tier, d) < best[0]:
+            best = ((tier, d), run, p_run, pred, run_fam)
     if best is None:
         return None
-    d, run, p_run, pred = best
+    (_, d), run, p_run, pred, run_fam = best
     lay = f"TP{run.tensor_model_parallel_size} PP{run.pipeline_model_parallel_size}"
     for name, v in (("VP", run.virtual_pipeline_model_parallel_size), ("CP", run.context_parallel_size),
                     ("EP", run.expert_model_parallel_size), ("DP", run.data_parallel_size), ("mbs", run.micro_batch_size)):
@@ -780,6 +886,7 @@ def nearest_published_run(shape: ModelShape, cluster: ClusterSpec, seq_length: i
         measured_tokens_per_s_per_gpu=run.measured_tokens_per_sec_per_gpu,
         measured_tflops_per_gpu=run.measured_tflops_per_gpu, flop_convention=run.flop_convention,
         measured_mfu_pct=run.measured_mfu_pct, predicted_tokens_per_s_per_gpu=pred, distance=round(d, 3),
+        differences=_run_differences(run, p_run, params, g.key, fam, run_fam, precision, seq_length, cluster.num_gpus),
     )
 
 
@@ -798,6 +905,11 @@ def _sources() -> tuple[tuple[str, str], ...]:
 def _quick_best(request: RecommendRequest, shape: ModelShape, gbs: int, *, cluster: ClusterSpec | None = None,
                 seq_length: int | None = None) -> RecommendedPlan | None:
     inp = _inputs(request, shape, gbs, quick=True, cluster=cluster, seq_length=seq_length)
+    budget, size = _follow_ups.get(), space_size(inp)
+    if size > budget.left:
+        budget.skipped += 1
+        return None
+    budget.left -= size
     out = search(inp)
     plans, _, _ = _top_plans(request, inp, out, 1, max_checks=5)
     return plans[0] if plans else None
@@ -812,7 +924,10 @@ def _what_ifs(request: RecommendRequest, shape: ModelShape, gbs: int, best: Reco
     ):
         if seq > 4_194_304:
             continue
+        skipped = _follow_ups.get().skipped
         top = _quick_best(request, shape, gbs, cluster=cluster, seq_length=seq)
+        if _follow_ups.get().skipped > skipped:
+            continue  # not searched (over the budget): a note says so, no "nothing fits"
         same = f"same global batch of {gbs} samples"
         if top is None:
             res.append(WhatIf(scenario=scenario, num_gpus=cluster.num_gpus, seq_length=seq, global_batch_size=gbs,
@@ -825,20 +940,59 @@ def _what_ifs(request: RecommendRequest, shape: ModelShape, gbs: int, best: Reco
         if scenario == "2x_gpus":
             note = (f"{same} on twice the GPUs, so each data-parallel replica runs fewer micro-batches; "
                     f"per-GPU throughput {d_gpu:+.0f}%, job throughput {d_job:+.0f}%")
+            if d_job > 100 + SUPERLINEAR_TOLERANCE_PCT:
+                why = _superlinear_mechanism(request, best, top, n)
+                if why is None:
+                    # No named mechanism: the gain would be the search's, not the GPUs'. Report linear scaling.
+                    top = top.model_copy(update={"tokens_per_s_per_gpu": best.tokens_per_s_per_gpu,
+                                                 "tokens_per_s": 2 * best.tokens_per_s})
+                    note = (f"{same} on twice the GPUs: capped at linear scaling (+100% job throughput); the quicker "
+                            f"search's {d_job:+.0f}% is explained by no change the 2x GPUs make possible")
+                    d_gpu, d_job = 0.0, 100.0
+                else:
+                    note += f"; above linear scaling because {why}"
         else:
             note = (f"{same} (2x tokens per step): attention grows with s^2 and activations with s; "
                     f"per-GPU throughput {d_gpu:+.0f}%")
         res.append(WhatIf(scenario=scenario, num_gpus=cluster.num_gpus, seq_length=seq, global_batch_size=gbs,
                           feasible=True, layout=top.layout, tokens_per_s_per_gpu=top.tokens_per_s_per_gpu,
                           tokens_per_s=top.tokens_per_s, change_tokens_per_s_per_gpu_pct=d_gpu,
-                          change_tokens_per_s_pct=d_job, note=note + " (quicker search: TP within a node, ETP 1 or TP, CP a power of two, SP on, micro-batch <= 8, distributed optimizer on)"))
+                          change_tokens_per_s_pct=d_job, note=note + f" (quicker search: {QUICK_SPACE})"))
     return res
 
 
+SUPERLINEAR_TOLERANCE_PCT = 0.5
+"""A 2x-GPU what-if may exceed +100% job throughput by this much (rounding) before it needs a mechanism."""
+
+
+def _superlinear_mechanism(request: RecommendRequest, best: RecommendedPlan, top: RecommendedPlan, n: int) -> str | None:
+    """Why twice the GPUs do better than twice the throughput, or None when nothing the extra GPUs make
+    possible explains it. Each step-time term is compared per token per GPU (same global batch and sequence,
+    so GPU-seconds per step: term x GPUs); the terms that shrink are the mechanism, and the what-if layout
+    must not fit on the original GPUs (else the original search would have taken it)."""
+    b, t = best.evaluation.performance.breakdown, top.evaluation.performance.breakdown
+    saved = sorted(((getattr(b, k) * n - getattr(t, k) * 2 * n) / (getattr(b, k) * n) if getattr(b, k) else 0.0, k)
+                   for k in _TERMS if getattr(b, k) * n > getattr(t, k) * 2 * n)
+    saved = [(f, k) for f, k in reversed(saved) if f > 0.01]
+    if not saved:
+        return None
+    terms = ", ".join(f"{_TERMS[k]} {-100 * f:.0f}% per token" for f, k in saved[:2])
+    change = f"{top.layout} instead of {best.layout}"
+    if top.layout.replace(f"DP{top.data_parallel_size}", "") == best.layout.replace(f"DP{best.data_parallel_size}", ""):
+        return None  # the same layout with twice the data parallelism: per-GPU work per token cannot shrink
+    on_n = evaluate_plan(with_changes(top.plan, "cluster", num_gpus=n))
+    capacity = on_n.memory.capacity_gib if on_n.memory else None
+    headroom = max(request.min_headroom_gib, request.min_headroom_fraction * capacity) if capacity else 0.0
+    if on_n.valid and on_n.memory is not None and on_n.memory.total_gib <= capacity - headroom:
+        return None  # the layout fitted on n GPUs too: the 2x GPUs do not explain the gain
+    reason = (f"needs {on_n.memory.total_gib:.1f} GiB of {capacity:.1f} on {n} GPUs" if on_n.valid and on_n.memory
+              else f"is not a valid layout on {n} GPUs")
+    return (f"{change}: {terms}; that layout {reason}, and fits on {2 * n} because the distributed optimizer's "
+            f"state (fp32 main weights, Adam moments) shards over twice the data-parallel ranks")
+
+
 def _model_state_bytes_per_param(request: RecommendRequest) -> float:
-    im = _implementation(request)
-    # bf16 weights (2) + gradient buffer (4 fp32 / 2 bf16) + fp32 main params and Adam m, v (12).
-    return 2.0 + (4.0 if im.grad_reduce_in_fp32 else 2.0) + 12.0
+    return model_state_bytes_per_param(_implementation(request).grad_reduce_in_fp32)
 
 
 def _min_gpus_for_model_state(shape: ModelShape, request: RecommendRequest, inp: SearchInputs) -> int:
@@ -975,7 +1129,8 @@ def format_recommendation(rec: Recommendation) -> str:
         pred = f", this tool predicts {r.predicted_tokens_per_s_per_gpu:,.0f}" if r.predicted_tokens_per_s_per_gpu else ""
         prec = f", {_precision_family(r.precision).upper()}" if _precision_family(r.precision) else ""
         lines.append(f"nearest published run: {r.model} on {r.num_gpus} x {r.gpu}, seq {r.seq_length}{prec}, {r.layout}: "
-                     f"measured {meas}{pred} [{r.source}]")
+                     f"measured {meas}{pred} [{r.source}]"
+                     + (f"; differs in: {'; '.join(r.differences)}" if r.differences else "; like for like"))
     s = rec.stats
     rate = f" in {s.elapsed_s * 1000:.0f} ms ({s.candidates_per_s:,.0f}/s)" if s.elapsed_s else ""
     lines.append(f"searched {s.layouts_enumerated:,} layouts and {s.candidates_evaluated:,} configurations{rate}; "
@@ -998,5 +1153,6 @@ __all__ = [
     "layout_summary",
     "nearest_published_run",
     "recommend_parallelism",
+    "row_is_moe",
     "request_from_options",
 ]

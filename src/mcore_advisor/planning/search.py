@@ -8,28 +8,29 @@ How one search runs (`search(inputs)`):
    searched with uneven first/last stages (`uneven_splits`). A layout is counted once, under the
    first check it fails, in this order:
    - model-state bound: the bf16 weights + gradient buffer + Adam state of the most-loaded
-     pipeline rank, with the distributed optimizer sharding as far as the layout allows, plus the
-     CUDA context, already exceed the usable memory. It depends only on (TP, PP, split, VP, EP,
-     ETP), so one check skips every CP, SP and precision under it (`layouts_pruned_by_model_state`);
+     pipeline rank, with the distributed optimizer (or FSDP) sharding as far as the layout allows,
+     plus the CUDA context, already exceed the usable memory (physics.memory.model_state_gib, all
+     model-parallel shapes in one batch). It depends only on (TP, PP, split, VP, EP, ETP), so one
+     check skips every CP, SP and precision under it (`layouts_pruned_by_model_state`);
    - the validators' error rules through their fast path `validators.layout_errors` (micro-batch
      1, no recompute), first failing code in registry order;
    - Megatron rules the validators report only as warnings but Megatron enforces
      (`RECOMMENDER_RULES`).
 2. Configurations. Each surviving layout x micro-batch size (divisors of GBS/DP) x distributed
-   optimizer on/off x recompute option (none; selective = Megatron's default core_attn; full
-   'block' with k = 1..layers-per-chunk; full 'uniform' with every group size that tiles the
-   chunks). Memory of all of them is computed at once by `_memory_total_gib`, a numpy replica of
-   `physics.memory.memory_breakdown` built from that module's own per-layer functions (a test keeps
-   the two equal). The block sweep is solved in closed form: memory falls linearly with k, so the
-   smallest k that fits is computed, not searched.
+   optimizer on/off (off only under FSDP, which replaces it) x recompute option (none; selective =
+   Megatron's default core_attn; full 'block' with k = 1..layers-per-chunk; full 'uniform' with
+   every group size that tiles the chunks). Memory of all of them comes from
+   `physics.memory.memory_arrays` on one physics.layouts.LayoutBatch, the function memory_breakdown
+   is a one-row view of (so every memory field, FSDP included, is searched as the tools report it).
+   The block sweep is solved in closed form (`physics.memory.block_recompute_layers_to_fit`): memory
+   falls linearly with k, so the smallest k that fits is computed, not searched.
 3. Timing. Recomputing more never runs faster (`physics.step_time` adds the rerun forward and at most
    hides the same amount of DP communication behind it), so per (layout, micro-batch, optimizer)
    only the fastest-possible fitting options are timed: no recompute if it fits, otherwise
    selective and the smallest fitting block k, otherwise the smallest fitting uniform group.
    Likewise the distributed optimizer never needs more memory and is never slower in physics.step_time,
    so optimizer-off variants are dominated unless pinned (tests check both premises). The rest
-   are counted as dominated. Timing is one `physics.step_time.step_time_arrays` call per precision over
-   all of them.
+   are counted as dominated. Timing is one `physics.step_time.step_time_arrays` call over all of them.
 
 Every count lands in `SearchStats`; configurations_enumerated = rejected + over memory +
 dominated + timed, and layouts likewise. Pure: no clock, no I/O.
@@ -38,31 +39,37 @@ dominated + timed, and layouts likewise. Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal
 
 import numpy as np
 
 from mcore_advisor.knowledge.hardware import GpuSpec
+from mcore_advisor.physics.layouts import (
+    RECOMPUTE_FULL,
+    RECOMPUTE_NONE,
+    RECOMPUTE_SELECTIVE,
+    Implementation,
+    LayoutBatch,
+)
 from mcore_advisor.physics.memory import (
     CUDA_CONTEXT_GIB,
-    GIB,
-    MISC_ALLOCATED_BYTES,
-    NCCL_PER_COMMUNICATOR_GIB,
-    ActivationOptions,
-    _is_unfused,
-    _stage_layers,
-    cross_entropy_peak_bytes_per_logit,
-    fragmentation_fraction,
-    layer_activation_terms,
-    layer_backward_working_bytes,
-    rank_params,
-    te_dummy_wgrad_bytes,
+    activation_table,
+    block_recompute_layers_to_fit,
+    memory_arrays,
+    model_state_gib,
+    stage_table,
 )
 from mcore_advisor.physics.step_time import HardwareParams, step_time_arrays
-from mcore_advisor.schemas import ClusterSpec, ImplementationSpec, ModelShape, layers_per_stage
-from mcore_advisor.validators import layout_errors
+from mcore_advisor.schemas import (
+    MAX_MICRO_BATCH_SIZE,
+    ClusterSpec,
+    ImplementationSpec,
+    ModelShape,
+    layers_per_stage,
+)
+from mcore_advisor.validators import Ctx, layout_errors
 
 # Recompute option codes in the candidate table.
 RC_NONE, RC_SELECTIVE, RC_BLOCK, RC_UNIFORM = 0, 1, 2, 3
@@ -70,12 +77,7 @@ RC_NONE, RC_SELECTIVE, RC_BLOCK, RC_UNIFORM = 0, 1, 2, 3
 # Rejections the recommender makes beyond the validators' rules (code -> reason); none at present:
 # MoE with TP > 1 and no SP is the validators' error expert_and_tensor_parallel_without_sp.
 RECOMMENDER_RULES: dict[str, str] = {}
-_NSLOTS = 4  # pipeline ranks memory_breakdown evaluates
-_COLUMNS = (
-    "tp", "pp", "vp", "cp", "ep", "etp", "sp", "dp", "edp", "fp8", "non_pt", "V",
-    "dl", "ml", "dw1", "dw2", "mw1", "mw2", "dl_sel", "ml_sel", "dw1_sel", "dw2_sel", "mw1_sel", "mw2_sel",
-    *(f"{name}{i}" for i in range(_NSLOTS) for name in ("r", "nl", "nd", "nm", "dp", "ep", "f8", "first", "last", "db")),
-)
+_CHUNK_ROWS = 1 << 16  # memory is evaluated in blocks of rows to bound the temporaries
 
 
 @dataclass(frozen=True)
@@ -223,201 +225,6 @@ def _add(d: dict[str, int], key: str, n: int) -> None:
         d[key] = d.get(key, 0) + n
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-layout pieces (memoised: many layouts share them)
-# ---------------------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=65536)
-def _slots(shape: ModelShape, seq: int, tp: int, pp: int, vp: int, ep: int, etp: int,
-           first_layers: int | None = None, last_layers: int | None = None) -> tuple[tuple, ...]:
-    """The pipeline ranks memory_breakdown evaluates (first, second, second-to-last, last), padded to four.
-
-    Each: (rank, num_layers, dense_layers, moe_layers, dense_params, expert_params, fp8_params, first, last,
-    TE dummy weight-gradient bytes with gradient-accumulation fusion).
-    """
-    out = []
-    for r in sorted({0, min(1, pp - 1), max(0, pp - 2), pp - 1}):
-        layers = _stage_layers(shape.num_layers, pp, vp, r, first_layers, last_layers)
-        first, last = r == 0, r == pp - 1
-        rp = rank_params(shape, layers, first=first, last=last, tp=tp, ep=ep, etp=etp, seq_length=seq)
-        n_moe = sum(shape.moe_layer_pattern[i] for i in layers) if shape.is_moe else 0
-        dummies = te_dummy_wgrad_bytes(shape, tp, etp, has_dense=len(layers) > n_moe, has_moe=n_moe > 0,
-                                       output_vocab=shape.padded_vocab_size(tp) if last else None)
-        out.append((r, len(layers), len(layers) - n_moe, n_moe, rp.dense, rp.expert, rp.fp8_eligible, first, last, dummies))
-    while len(out) < _NSLOTS:
-        out.append(out[-1])
-    return tuple(out)
-
-
-@lru_cache(maxsize=65536)
-def _act(shape: ModelShape, seq: int, tp: int, cp: int, sp: bool, ep: int, etp: int, fp8: bool, impl: str,
-         unfused: bool, selective: bool) -> tuple[float, float, float, float, float, float]:
-    """(dense layer, MoE layer) saved bytes per micro-batch of 1, and their backward working sets at
-    micro-batch 1 and 2 (the working set is affine in the micro-batch), as memory_breakdown uses them."""
-    o = ActivationOptions(
-        tp=tp, cp=cp, sequence_parallel=sp, transformer_impl=impl, unfused_attention=unfused, fp8=fp8,
-        fused_activation=True, recompute_modules=frozenset({"core_attn"} if selective else ()),
-        ep=ep, etp=etp,
-    )
-    res = []
-    for moe in (False, True) if shape.is_moe else (False,):
-        t1 = layer_activation_terms(shape, seq, 1, moe, o)
-        t2 = layer_activation_terms(shape, seq, 2, moe, o)
-        w1 = layer_backward_working_bytes(shape, seq, 1, moe, o, t1)
-        w2 = layer_backward_working_bytes(shape, seq, 2, moe, o, t2)
-        res.append((sum(t1.values()), w1, w2))
-    if len(res) == 1:
-        res.append(res[0])
-    (dl, dw1, dw2), (ml, mw1, mw2) = res
-    return dl, ml, dw1, dw2, mw1, mw2
-
-
-# ---------------------------------------------------------------------------------------------
-# Vectorised memory (a replica of physics.memory.memory_breakdown's assembly)
-# ---------------------------------------------------------------------------------------------
-
-
-class _Table:
-    """Per-configuration columns gathered from the per-layout arrays."""
-
-    def __init__(self, lay: dict[str, np.ndarray], idx: np.ndarray, mbs: np.ndarray, dist: np.ndarray):
-        self.g = {k: v[idx] for k, v in lay.items()}
-        self.b = mbs.astype(np.float64)
-        self.dist = dist
-        self.n = len(idx)
-
-
-def _memory_total_gib(inp: SearchInputs, t: _Table, kind: int, k: np.ndarray | None = None,
-                      closed_form: bool = False):
-    """total_gib of memory_breakdown for every row (kind = RC_*; k = block layers or uniform group).
-
-    With closed_form (kind RC_BLOCK), returns instead the smallest block k per row that fits the
-    budget (inf where no k does), solving peak(k) = C - k*D on every rank.
-    """
-    shape, im = inp.shape, inp.implementation
-    g, b = t.g, t.b
-    h = float(shape.hidden_size)
-    s = float(inp.seq_length)
-    tp, cp, pp, vp = g["tp"], g["cp"], g["pp"], g["vp"]
-    sp_div = np.where(g["sp"] > 0, tp, 1.0)
-    tok = s / cp * b
-    full = kind in (RC_BLOCK, RC_UNIFORM)
-    sel = kind == RC_SELECTIVE
-    # Saved activations are linear in the micro-batch (every term scales with its tokens).
-    dl = g["dl_sel" if sel else "dl"] * b
-    ml = g["ml_sel" if sel else "ml"] * b
-    sfx = "_sel" if sel else ""
-    # The backward working set is affine in the micro-batch (the local spec's weight-gradient
-    # tensor is the constant): interpolate from micro-batch 1 and 2.
-    dw = g["dw1" + sfx] + (b - 1) * (g["dw2" + sfx] - g["dw1" + sfx])
-    mw = g["mw1" + sfx] + (b - 1) * (g["mw2" + sfx] - g["mw1" + sfx])
-    ckpt = 2.0 * h * tok / sp_div
-    grad_bytes = 4.0 if im.grad_reduce_in_fp32 else 2.0
-    fp8 = g["fp8"] > 0
-    dp_opt = g["dp"] * cp
-    edp = np.maximum(1.0, g["edp"])
-    local = im.transformer_impl == "local"
-    fused_dummies = im.gradient_accumulation_fusion and not local and not im.use_torch_fsdp2
-    V = g["V"]
-    M = np.maximum(1.0, np.floor(inp.global_batch_size / (b * g["dp"])))
-    unfused = _is_unfused(im.attention_backend)
-    # Loss peak per logit as memory_breakdown takes it (the plan's --cross-entropy-fusion-impl).
-    ce_impl = im.cross_entropy_fusion_impl
-    te_ce = im.cross_entropy_loss_fusion and ce_impl == "te"
-    mx = 1.0 / 16 if inp.fp8_recipe == "mxfp8" else 0.0
-    frag = np.where(
-        (pp > 1) | full,
-        fragmentation_fraction(expandable_segments=im.expandable_segments, pipelined_or_full_recompute=True),
-        fragmentation_fraction(expandable_segments=im.expandable_segments, pipelined_or_full_recompute=False),
-    )
-    budget_gib = inp.capacity_gib - inp.required_headroom_gib - g["non_pt"]
-    peak_max = budget_gib * GIB / (1.0 + frag)
-
-    peak = np.zeros(t.n)
-    kmin = np.ones(t.n)
-    possible = np.ones(t.n, dtype=bool)
-    for si in range(_NSLOTS):
-        r = g[f"r{si}"]
-        nl, nd, nm = g[f"nl{si}"], g[f"nd{si}"], g[f"nm{si}"]
-        dense_p, exp_p, fp8e = g[f"dp{si}"], g[f"ep{si}"], g[f"f8{si}"]
-        first, last = g[f"first{si}"] > 0, g[f"last{si}"] > 0
-        n_params = dense_p + exp_p
-        # bf16 weights; TE caches an FP8 copy and its transpose of every linear weight
-        # (--fp8-param-gather, which replaces them, is never chosen by the search).
-        weights = 2.0 * n_params + np.where(fp8, 2.0 * fp8e * (1.0 + mx), 0.0)
-        grads = grad_bytes * n_params
-        optim = np.where(t.dist, 12.0 * dense_p / dp_opt + 12.0 * exp_p / edp, 12.0 * n_params)
-        opt_held = np.where(t.dist, dense_p / dp_opt + exp_p / edp, n_params)
-        step_tmp = (4.0 * opt_held if local else 0.0) + (0.0 if im.grad_reduce_in_fp32 else 4.0 * opt_held)
-        per_mb_full = nd * dl + nm * ml
-        work = np.maximum(np.where(nd > 0, dw, 0.0), np.where(nm > 0, mw, 0.0))
-        first_extra = np.where(first, 16.0 * tok, 0.0)
-        infl = np.where(
-            pp <= 1, 1.0,
-            np.where(vp > 1, np.minimum(2 * (pp - r - 1) + (vp - 1) * pp + 1, M * vp) / vp, np.minimum(pp - r, M)),
-        )
-        # last-stage extras: final norm input + output-layer input, labels/mask; logits/loss transient
-        last_acts = np.where(last, 2.0 * h * tok / sp_div * 2 + 12.0 * tok, 0.0)
-        logits = 2.0 * V * tok / tp
-        ce_peak = cross_entropy_peak_bytes_per_logit(im.cross_entropy_loss_fusion, ce_impl) / 2.0 * logits
-        # bf16 output-layer weight gradient before main_grad.add_ (TE's cached dummy when fused)
-        out_wgrad = 0.0 if fused_dummies else 2.0 * V * h / tp
-        bwd_peak = logits + out_wgrad + 2.0 * h * tok
-        mtp = shape.mtp_num_layers
-        heads_extra = (mtp * (logits if te_ce else 2.0 * logits)) if mtp else 0.0
-        last_transient = np.maximum(ce_peak + heads_extra, bwd_peak)
-        if mtp:
-            last_acts = last_acts + np.where(last, mtp * (ml if (shape.is_moe and shape.moe_layer_pattern[-1]) else dl), 0.0)
-        buffers = float(MISC_ALLOCATED_BYTES)
-        if fused_dummies:
-            buffers = buffers + g[f"db{si}"]
-        if local:
-            gbuf = 0.0
-            if unfused:
-                gbuf = 2.0 * (shape.num_attention_heads / tp) * b * (s / cp) * s
-            gbuf = np.where(g["sp"] > 0, np.maximum(gbuf, 2.0 * h * tok), gbuf)
-            buffers = buffers + gbuf
-        static = weights + grads + optim + buffers
-        nl_safe = np.maximum(1.0, nl)
-        per_layer = per_mb_full / nl_safe
-        pc = np.maximum(1.0, np.floor(nl / vp))
-        if full:
-            if kind == RC_BLOCK:
-                ws = per_layer + work
-                if closed_form:
-                    # peak(k) = C - k * D for k <= pc on this rank (fb phase); the step phase is fixed.
-                    trans = np.where(last, np.maximum(ws, last_transient), ws)
-                    C = static + infl * (vp * pc * per_layer + first_extra) + last_acts + trans
-                    D = infl * vp * (per_layer - ckpt)
-                    need = np.where(D > 0, np.ceil((C - peak_max) / np.where(D > 0, D, 1.0)), np.where(C <= peak_max, 0.0, np.inf))
-                    need = np.maximum(need, 1.0)
-                    ok = (need <= pc) & (static + step_tmp <= peak_max)
-                    possible &= ok
-                    kmin = np.maximum(kmin, need)
-                    continue
-                rec = np.minimum(k, pc)
-                saved = vp * (rec * ckpt + (pc - rec) * per_layer)
-            else:
-                groups = np.ceil(pc / k)
-                saved = vp * groups * ckpt
-                ws = per_layer * np.minimum(k, pc) + work
-            per_mb = saved
-            work = ws
-        else:
-            per_mb = per_mb_full
-        acts = infl * (per_mb + first_extra) + last_acts
-        transient = np.where(last, np.maximum(work, last_transient), work)
-        peak = np.maximum(peak, np.maximum(static + acts + transient, static + step_tmp))
-    if closed_form:
-        return np.where(possible, kmin, np.inf)
-    return peak * (1.0 + frag) / GIB + g["non_pt"]
-
-
-# ---------------------------------------------------------------------------------------------
-# The search
-# ---------------------------------------------------------------------------------------------
-
 
 def _recompute_allowed(inp: SearchInputs) -> tuple[bool, bool, bool, bool]:
     """(none, selective, block, uniform) options the request permits."""
@@ -434,131 +241,361 @@ def _recompute_allowed(inp: SearchInputs) -> tuple[bool, bool, bool, bool]:
     return none, sel, block, uniform
 
 
+
+# ---------------------------------------------------------------------------------------------
+# 1. Layouts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """A model-parallel shape before CP, SP and precision: what the model-state bound depends on."""
+
+    tp: int
+    pp: int
+    first: int | None
+    last: int | None
+    vp: int
+    ep: int
+    etp: int
+    cps: tuple[int, ...]
+    sps: tuple[bool, ...]
+
+    def layouts_under(self, inp: SearchInputs) -> int:
+        return len(self.cps) * len(self.sps) * len(inp.precisions)
+
+
+def _max_tp(inp: SearchInputs) -> int:
+    max_tp = inp.max_tp or inp.cluster.num_gpus
+    return min(max_tp, inp.hardware.gpus_per_node) if inp.quick else max_tp
+
+
+def _splits(inp: SearchInputs, pp: int) -> list[tuple[int | None, int | None, int]]:
+    """(first, last, VP) stage splits to search for one PP."""
+    f, L = inp.fixed, inp.shape.num_layers
+    if pp == 1:
+        splits = [(None, None, (1,))]
+    elif f.first is not None or f.last is not None:
+        try:
+            sizes = tuple(layers_per_stage(L, pp, f.first, f.last))
+        except ValueError:
+            sizes = (1,)  # the validators reject it with the reason
+        splits = [(f.first, f.last, _vps(sizes))]
+    elif L % pp == 0:
+        splits = [(None, None, _divisors(L // pp))]
+    else:
+        splits = uneven_splits(L, pp) or [(None, None, (1,))]  # none exists: the validators say so
+    pairs = [(first, last, vp) for first, last, vps in splits for vp in vps
+             if f.vp is None or vp == f.vp or (f.vp == 1 and vp == 1)]
+    if f.vp is not None and f.vp > 1 and pp > 1 and not pairs:
+        pairs = [(splits[0][0], splits[0][1], f.vp)]  # the validators say why it cannot be
+    return pairs
+
+
+def _cps(inp: SearchInputs, tp: int, pp: int) -> tuple[int, ...]:
+    f = inp.fixed
+    rest = max(1, inp.cluster.num_gpus // (tp * pp))
+    cps = [f.cp] if f.cp is not None else divisors(rest)
+    if inp.quick and f.cp is None:
+        cps = [c for c in cps if c & (c - 1) == 0]
+    if f.dp is not None:
+        cps = [c for c in cps if rest // c == f.dp]
+    return tuple(cps)
+
+
+def _expert_dims(inp: SearchInputs, tp: int) -> tuple[list[int], list[int]]:
+    """(EPs, ETPs) to search with this TP."""
+    f, shape = inp.fixed, inp.shape
+    if not shape.is_moe:
+        return ([1] if f.ep in (None, 1) else [f.ep]), [tp]
+    max_tp = _max_tp(inp)
+    eps = [f.ep] if f.ep is not None else divisors(shape.num_experts or 0)
+    etps = [f.etp] if f.etp is not None else [e for e in divisors(inp.hardware.gpus_per_node) if e <= max_tp]
+    if f.etp is None and tp not in etps and tp <= max_tp:
+        etps.append(tp)
+    if inp.quick and f.etp is None:
+        etps = [e for e in etps if e in (1, tp)]
+    return eps, etps
+
+
+def _shards(inp: SearchInputs) -> list[_Shard]:
+    """Every model-parallel shape the constraints allow (pinned values are tried even when they do
+    not divide the world size, so the validators say why)."""
+    f, world = inp.fixed, inp.cluster.num_gpus
+    out = []
+    for tp in [f.tp] if f.tp is not None else [t for t in divisors(world) if t <= _max_tp(inp)]:
+        sps = (False,) if tp == 1 else ((True,) if inp.quick else (True, False))
+        if f.sp is not None and tp > 1:
+            sps = (f.sp,)
+        eps, etps = _expert_dims(inp, tp)
+        for pp in [f.pp] if f.pp is not None else [p for p in divisors(max(1, world // tp)) if p <= inp.shape.num_layers]:
+            cps = _cps(inp, tp, pp)
+            out += [_Shard(tp, pp, first, last, vp, ep, etp, cps, sps)
+                    for ep in eps for etp in etps for first, last, vp in _splits(inp, pp)]
+    return out
+
+
+def _implementation(inp: SearchInputs) -> Implementation:
+    return Implementation.of(inp.implementation, fp8_recipe=inp.fp8_recipe)
+
+
+def _model_state_bounds(inp: SearchInputs, shards: list[_Shard]) -> np.ndarray:
+    """GiB of weights + gradients + optimizer state (sharded over DP*CP = world/(TP*PP)) on each
+    shard's most-loaded rank, with the allocator margin and the CUDA context."""
+    world = inp.cluster.num_gpus
+    col = lambda get: np.asarray([get(x) for x in shards], dtype=np.int64)  # noqa: E731
+    tp, pp = col(lambda x: x.tp), col(lambda x: x.pp)
+    batch = LayoutBatch(
+        inp.shape, inp.seq_length, inp.global_batch_size, _implementation(inp), tp=tp, pp=pp,
+        dp=np.maximum(1, world // (tp * pp)), num_gpus=world, ep=col(lambda x: x.ep), etp=col(lambda x: x.etp),
+        vp=col(lambda x: x.vp), use_distributed_optimizer=not inp.implementation.use_torch_fsdp2,
+        first_stage_layers=col(lambda x: -1 if x.first is None else x.first),
+        last_stage_layers=col(lambda x: -1 if x.last is None else x.last),
+    )
+    return model_state_gib(batch) + CUDA_CONTEXT_GIB
+
+
+def _rules_base(inp: SearchInputs) -> Ctx:
+    """The validators' view of every candidate, before its layout is filled in (micro-batch 1, no recompute)."""
+    cl, im = inp.cluster, inp.implementation
+    fsdp = im.use_torch_fsdp2  # FSDP replaces the distributed optimizer and its parameter all-gather
+    extra = dict(use_distributed_optimizer=False, overlap_param_gather=False) if fsdp else {}
+    return Ctx(
+        inp.shape, inp.gpu, num_gpus=cl.num_gpus, seq_length=inp.seq_length, gbs=inp.global_batch_size, mbs=1,
+        gpus_per_node=cl.gpus_per_node, nvlink_gbps=cl.nvlink_bandwidth_gbps, scaleout_gbps=cl.scaleout_bandwidth_gbps,
+        hbm_gib=cl.gpu_memory_gib, fp8_recipe=inp.fp8_recipe, transformer_impl=im.transformer_impl,
+        attention_backend=im.attention_backend, moe_token_dispatcher_type=im.moe_token_dispatcher_type,
+        moe_grouped_gemm=im.moe_grouped_gemm, use_torch_fsdp2=fsdp, cross_entropy_fusion_impl=im.cross_entropy_fusion_impl,
+        **extra,
+    )
+
+
+def _layouts(inp: SearchInputs, st: SearchStats) -> tuple[list[Layout], float]:
+    """Layouts that pass the model-state bound and the validators' error rules; the smallest bound seen."""
+    shards = [sh for sh in _shards(inp) if sh.layouts_under(inp)]
+    if not shards:
+        return [], math.inf
+    world = inp.cluster.num_gpus
+    bounds = _model_state_bounds(inp, shards)
+    static_budget = inp.capacity_gib - inp.required_headroom_gib
+    base = _rules_base(inp)
+    moe = inp.shape.is_moe
+    layouts: list[Layout] = []
+    for sh, bound in zip(shards, bounds.tolist(), strict=True):
+        n_sub = sh.layouts_under(inp)
+        st.layouts_enumerated += n_sub
+        if world % (sh.tp * sh.pp) == 0 and bound > static_budget:
+            st.layouts_pruned_by_model_state += n_sub
+            continue
+        for cp in sh.cps:
+            for sp in sh.sps:
+                for prec in inp.precisions:
+                    errs = layout_errors(base.with_layout(
+                        tp=sh.tp, pp=sh.pp, vp_raw=sh.vp if sh.vp > 1 else None, cp=cp, ep=sh.ep,
+                        etp_raw=sh.etp if moe else None, sp=sp, precision=prec,
+                        decoder_first_pipeline_num_layers=sh.first, decoder_last_pipeline_num_layers=sh.last))
+                    if errs:
+                        _add(st.layouts_rejected_by_rule, errs[0], 1)
+                        continue
+                    st.layouts_searched += 1
+                    dp = max(1, world // (sh.tp * sh.pp) // cp)
+                    layouts.append(Layout(sh.tp, sh.pp, sh.vp, sh.first, sh.last, cp, sh.ep, sh.etp, sp and sh.tp > 1, prec, dp))
+    return layouts, float(bounds.min())
+
+
+def space_size(inp: SearchInputs) -> int:
+    """Layouts `search(inp)` would enumerate, counted without checking them: what its cost grows with."""
+    return sum(sh.layouts_under(inp) for sh in _shards(inp))
+
+
 def search(inp: SearchInputs) -> SearchOutcome:
     """Enumerate, check, prune and time every candidate (see the module docstring)."""
-    shape, f, im = inp.shape, inp.fixed, inp.implementation
     st = SearchStats()
-    L = shape.num_layers
-    world = inp.cluster.num_gpus
-    gpn = inp.hardware.gpus_per_node
-    seq, gbs = inp.seq_length, inp.global_batch_size
-    E = shape.num_experts or 0
-    moe = shape.is_moe
-    max_tp = inp.max_tp or world
-    if inp.quick:
-        max_tp = min(max_tp, gpn)
-    unfused = _is_unfused(im.attention_backend)
-    static_budget = inp.capacity_gib - inp.required_headroom_gib - CUDA_CONTEXT_GIB
+    layouts, min_state = _layouts(inp, st)
+    if not layouts:
+        return _empty(layouts, st, min_state, math.inf)
+    return _score(inp, st, layouts, min_state)
 
-    common_rules = dict(
-        fp8_recipe=inp.fp8_recipe, transformer_impl=im.transformer_impl, attention_backend=im.attention_backend,
-        moe_token_dispatcher_type=im.moe_token_dispatcher_type, moe_grouped_gemm=im.moe_grouped_gemm,
-        use_torch_fsdp2=im.use_torch_fsdp2, nvlink_bandwidth_gbps=inp.cluster.nvlink_bandwidth_gbps,
-        scaleout_bandwidth_gbps=inp.cluster.scaleout_bandwidth_gbps, gpu_memory_gib=inp.cluster.gpu_memory_gib,
+
+# ---------------------------------------------------------------------------------------------
+# 2. Configurations and their memory
+# ---------------------------------------------------------------------------------------------
+
+
+def _layout_batch(inp: SearchInputs, layouts: list[Layout]) -> LayoutBatch:
+    """One row per layout, with the per-layout stage and activation tables every configuration reuses."""
+    col = lambda get, kind=np.int64: np.asarray([get(lo) for lo in layouts], dtype=kind)  # noqa: E731
+    b = LayoutBatch(
+        inp.shape, inp.seq_length, inp.global_batch_size, _implementation(inp),
+        tp=col(lambda lo: lo.tp), pp=col(lambda lo: lo.pp), dp=col(lambda lo: lo.dp), cp=col(lambda lo: lo.cp),
+        ep=col(lambda lo: lo.ep), etp=col(lambda lo: lo.etp), vp=col(lambda lo: lo.vp), num_gpus=inp.cluster.num_gpus,
+        sequence_parallel=col(lambda lo: lo.sp, bool), fp8=col(lambda lo: lo.precision == "fp8", bool),
+        first_stage_layers=col(lambda lo: -1 if lo.first is None else lo.first),
+        last_stage_layers=col(lambda lo: -1 if lo.last is None else lo.last),
     )
-    grad_bytes = 4.0 if im.grad_reduce_in_fp32 else 2.0
-    frag_pp = fragmentation_fraction(expandable_segments=im.expandable_segments, pipelined_or_full_recompute=True)
-    frag_1 = fragmentation_fraction(expandable_segments=im.expandable_segments, pipelined_or_full_recompute=False)
+    return replace(b, stages=stage_table(b), activations=activation_table(b, False),
+                   activations_selective=activation_table(b, True))
 
-    layouts: list[Layout] = []
-    rows: list[list] = []
-    min_state = math.inf
 
-    def record(lay: Layout, slots, act_none, act_sel, edp: int, non_pt: float):
-        layouts.append(lay)
-        row = [lay.tp, lay.pp, lay.vp, lay.cp, lay.ep, lay.etp, 1.0 if lay.sp else 0.0, lay.dp, edp,
-               1.0 if lay.precision == "fp8" else 0.0, non_pt, float(shape.padded_vocab_size(lay.tp)),
-               *act_none, *act_sel]
-        for sl in slots:
-            row.extend(sl)
-        rows.append(row)
+def _configurations(lb: LayoutBatch, li: np.ndarray, mbs: np.ndarray, dist: np.ndarray) -> LayoutBatch:
+    """Rows li of the layout batch with their micro-batch and optimizer sharding (no recompute)."""
+    cols = {n: getattr(lb, n)[li] for n in ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "num_gpus", "sequence_parallel",
+                                            "fp8", "first_stage_layers", "last_stage_layers")}
+    return LayoutBatch(lb.shape, lb.seq_length, lb.global_batch_size, lb.impl, **cols, micro_batch_size=mbs,
+                       use_distributed_optimizer=dist, overlap_param_gather=dist, stages=lb.stages.take(li),
+                       activations=lb.activations.take(li), activations_selective=lb.activations_selective.take(li))
 
-    # Pinned values are tried even when they do not divide the world size, so the validators say why.
-    tps = [f.tp] if f.tp is not None else [t for t in divisors(world) if t <= max_tp]
-    for tp in tps:
-        sps = [False] if tp == 1 else ([True] if inp.quick else [True, False])
-        if f.sp is not None and tp > 1:
-            sps = [f.sp]
-        for pp in ([f.pp] if f.pp is not None else [p for p in divisors(max(1, world // tp)) if p <= L]):
-            if pp == 1:
-                splits = [(None, None, (1,))]
-            elif f.first is not None or f.last is not None:
-                try:
-                    sizes = tuple(layers_per_stage(L, pp, f.first, f.last))
-                except ValueError:
-                    sizes = (1,)  # the validators reject it with the reason
-                splits = [(f.first, f.last, _vps(sizes))]
-            elif L % pp == 0:
-                splits = [(None, None, _divisors(L // pp))]
-            else:
-                splits = uneven_splits(L, pp) or [(None, None, (1,))]  # none exists: the validators say so
-            rest = max(1, world // (tp * pp))
-            cps = [f.cp] if f.cp is not None else divisors(rest)
-            if inp.quick and f.cp is None:
-                cps = [c for c in cps if c & (c - 1) == 0]
-            if f.dp is not None:
-                cps = [c for c in cps if rest // c == f.dp]
-            if moe:
-                eps = [f.ep] if f.ep is not None else divisors(E)
-                etps = [f.etp] if f.etp is not None else [e for e in divisors(gpn) if e <= max_tp]
-                if f.etp is None and tp not in etps and tp <= max_tp:
-                    etps.append(tp)
-                if inp.quick and f.etp is None:
-                    etps = [e for e in etps if e in (1, tp)]
-            else:
-                eps = [1] if f.ep in (None, 1) else [f.ep]
-                etps = [tp]
-            pairs = [(first, last, vp) for first, last, vps in splits for vp in vps
-                     if f.vp is None or vp == f.vp or (f.vp == 1 and vp == 1)]
-            if f.vp is not None and f.vp > 1 and pp > 1 and not pairs:
-                pairs = [(splits[0][0], splits[0][1], f.vp)]  # the validators say why it cannot be
-            for ep in eps:
-                for etp in etps:
-                    n_sub = len(pairs) * len(cps) * len(sps) * len(inp.precisions)
-                    if not n_sub:
-                        continue
-                    # Model-state bound: weights + grads + optimizer (sharded over DP*CP = world/(TP*PP))
-                    # on the most-loaded rank, the same for every CP and SP under it.
-                    dp_opt = max(1, world // (tp * pp))
-                    edp = max(1, world // (etp * ep * pp))
-                    divides = world % (tp * pp) == 0
-                    frag = frag_pp if pp > 1 else frag_1
-                    st.layouts_enumerated += n_sub
-                    for first, last, vp in pairs:
-                        sl = _slots(shape, seq, tp, pp, vp, ep, etp, first, last)
-                        state = max((2.0 + grad_bytes) * (x[4] + x[5]) + 12.0 * x[4] / dp_opt + 12.0 * x[5] / edp for x in sl)
-                        state_gib = state * (1 + frag) / GIB
-                        min_state = min(min_state, state_gib + CUDA_CONTEXT_GIB)
-                        if divides and state_gib > static_budget:
-                            st.layouts_pruned_by_model_state += n_sub // len(pairs)
-                            continue
-                        for cp in cps:
-                            dp = max(1, rest // cp)
-                            for sp in sps:
-                                for prec in inp.precisions:
-                                    errs = layout_errors(
-                                        shape, inp.gpu, world, inp.cluster.gpus_per_node, seq, gbs, 1, tp, pp,
-                                        vp if vp > 1 else None, cp, ep, etp if moe else None, sp,
-                                        precision=prec, decoder_first_pipeline_num_layers=first,
-                                        decoder_last_pipeline_num_layers=last, **common_rules,
-                                    )
-                                    if errs:
-                                        _add(st.layouts_rejected_by_rule, errs[0], 1)
-                                        continue
-                                    st.layouts_searched += 1
-                                    fp8 = prec == "fp8"
-                                    sp_eff = sp and tp > 1
-                                    a0 = _act(shape, seq, tp, cp, sp_eff, ep, etp, fp8, im.transformer_impl, unfused, False)
-                                    a1 = _act(shape, seq, tp, cp, sp_eff, ep, etp, fp8, im.transformer_impl, unfused, True)
-                                    comms = sum(1 for size in (tp, pp, cp, dp, ep, etp if moe else 1) if size > 1) + (1 if pp > 1 else 0)
-                                    non_pt = CUDA_CONTEXT_GIB + NCCL_PER_COMMUNICATOR_GIB * comms
-                                    record(Layout(tp, pp, vp, first, last, cp, ep, etp, sp_eff, prec, dp),
-                                           sl, a0, a1, edp, non_pt)
-    cols = {}
-    if rows:
-        table = np.asarray(rows, dtype=np.float64)
-        cols = {name: table[:, i] for i, name in enumerate(_COLUMNS)}
-    return _score(inp, st, layouts, cols, min_state)
+
+def _in_chunks(fn, b: LayoutBatch) -> np.ndarray:
+    if len(b) <= _CHUNK_ROWS:
+        return fn(b)
+    return np.concatenate([fn(b.select(slice(i, i + _CHUNK_ROWS))) for i in range(0, len(b), _CHUNK_ROWS)])
+
+
+def _total_gib(b: LayoutBatch, recompute: int, k=0, block: bool = False) -> np.ndarray:
+    """memory_breakdown's total_gib of every row with this recompute option."""
+    rb = replace(b, recompute=recompute, recompute_block=block, recompute_num_layers=np.asarray(k, dtype=np.int64))
+    return _in_chunks(lambda x: memory_arrays(x).total_gib, rb)
+
+
+@dataclass
+class _Grid:
+    """Live configurations (parallel arrays) and their recompute option counts."""
+
+    li: np.ndarray  # layout index
+    mbs: np.ndarray
+    dist: np.ndarray
+    n_block: np.ndarray  # block k values allowed
+    n_unif: np.ndarray  # uniform group sizes allowed
+    pc: np.ndarray  # layers per chunk of the most-loaded stage
+    gcd: np.ndarray  # group sizes must divide this (every stage's chunk)
+
+
+def _grid(inp: SearchInputs, st: SearchStats, lb: LayoutBatch, layouts: list[Layout]) -> _Grid | None:
+    """Layout x micro-batch (a divisor of GBS/DP) x distributed optimizer, counted and filtered by
+    Megatron's interleaving rule and the distributed-optimizer dominance."""
+    f, gbs, L = inp.fixed, inp.global_batch_size, inp.shape.num_layers
+    mb_all = [m for m in divisors(gbs) if m <= MAX_MICRO_BATCH_SIZE] if f.mbs is None else [f.mbs]
+    if inp.quick:
+        mb_all = [m for m in mb_all if m <= 8] or mb_all[:1]
+    fsdp = inp.implementation.use_torch_fsdp2
+    dists = [False] if fsdp else ([f.dist_opt] if f.dist_opt is not None else ([True] if inp.quick else [True, False]))
+    nmb, nd = len(mb_all), len(dists)
+    li = np.repeat(np.arange(len(layouts)), nmb * nd)
+    mbs = np.tile(np.repeat(np.asarray(mb_all, dtype=np.int64), nd), len(layouts))
+    dist = np.tile(np.asarray(dists, dtype=bool), len(layouts) * nmb)
+    dp_i = lb.dp[li]
+    keep = (gbs % dp_i == 0) & ((gbs // dp_i) % mbs == 0)
+    li, mbs, dist, dp_i = li[keep], mbs[keep], dist[keep], dp_i[keep]
+
+    allow_none, allow_sel, allow_block, allow_uniform = _recompute_allowed(inp)
+    pc_lay = np.maximum(1, lb.stages.layers.max(axis=0).astype(np.int64) // lb.vp)
+    # Uniform recompute groups must tile every stage's chunk (Megatron indexes past the end otherwise).
+    gcd_lay = np.asarray([math.gcd(*layers_per_stage(L, lo.pp, lo.first, lo.last)) // lo.vp if lo.pp > 1 else L
+                          for lo in layouts], dtype=np.int64)
+    k = f.recompute_num_layers
+    zeros = np.zeros(len(layouts), dtype=np.int64)
+    if k is not None:
+        n_block_lay = np.where(pc_lay >= k, 1, 0) if allow_block else zeros
+        n_unif_lay = np.where(gcd_lay % k == 0, 1, 0) if allow_uniform else zeros
+    else:
+        n_block_lay = pc_lay if allow_block else zeros
+        n_unif_lay = np.asarray([len(_divisors(max(1, int(x)))) - 1 for x in gcd_lay], dtype=np.int64) if allow_uniform else zeros
+    n_opts = int(allow_none) + int(allow_sel) + n_block_lay[li] + n_unif_lay[li]
+    st.configurations_enumerated += int(n_opts.sum())
+    # Megatron's interleaved schedule runs micro-batches in groups of PP.
+    bad = (lb.vp[li] > 1) & ((gbs // (mbs * dp_i)) % lb.pp[li] != 0)
+    _add(st.configurations_rejected_by_rule, "interleaved_microbatches_not_divisible_by_pp", int(n_opts[bad].sum()))
+    # The distributed optimizer shards the Adam state (never more memory) and in physics.step_time moves
+    # the same bytes as the all-reduce with a 1/DP-sized Adam step (never slower; a test checks
+    # this), so optimizer-off variants are dominated unless pinned (or FSDP replaces the optimizer).
+    dom_dist = ~dist & (f.dist_opt is None) & (not fsdp) & ~bad
+    st.configurations_dominated += int(n_opts[dom_dist].sum())
+    live = ~bad & ~dom_dist
+    if not live.any():
+        return None
+    li = li[live]
+    return _Grid(li, mbs[live], dist[live], n_block_lay[li], n_unif_lay[li], pc_lay[li], gcd_lay[li])
+
+
+@dataclass
+class _Options:
+    """Per configuration: the memory of each recompute option and the smallest fitting block k /
+    uniform group (inf where none fits)."""
+
+    mem_none: np.ndarray
+    mem_sel: np.ndarray
+    k_block: np.ndarray
+    mem_block: np.ndarray
+    r_unif: np.ndarray
+    mem_unif: np.ndarray
+    n_unif_fit: np.ndarray  # uniform group sizes that fit
+
+
+def _block_option(inp: SearchInputs, b: LayoutBatch, g: _Grid, budget: float) -> tuple[np.ndarray, np.ndarray]:
+    """(smallest fitting block k, its memory); inf where no k fits."""
+    inf = np.full(len(b), np.inf)
+    pinned = inp.fixed.recompute_num_layers
+    if not (_recompute_allowed(inp)[2] and (g.n_block > 0).any()):
+        return inf, inf
+    if pinned is not None:
+        k_block = np.where(g.n_block > 0, float(pinned), np.inf)
+    else:
+        block = replace(b, recompute=RECOMPUTE_FULL, recompute_block=True)
+        k_block = _in_chunks(lambda x: block_recompute_layers_to_fit(x, budget), block)
+    kk = np.where(np.isfinite(k_block), np.minimum(k_block, g.pc), g.pc).astype(np.int64)
+    mem_block = _total_gib(b, RECOMPUTE_FULL, kk, block=True)
+    if pinned is None:
+        # The closed form's ceil can land one short under rounding: step once more where so.
+        retry = np.isfinite(k_block) & (mem_block > budget) & (kk < g.pc)
+        if retry.any():
+            kk = np.where(retry, kk + 1, kk)
+            mem_block = np.where(retry, _total_gib(b, RECOMPUTE_FULL, kk, block=True), mem_block)
+    ok = np.isfinite(k_block) & (mem_block <= budget)
+    return np.where(ok, kk, np.inf), mem_block
+
+
+def _uniform_option(inp: SearchInputs, b: LayoutBatch, g: _Grid, need: np.ndarray, budget: float) -> tuple:
+    """Uniform groups, evaluated only where nothing cheaper fits (same compute as block k = chunk):
+    (smallest fitting group, its memory, how many groups fit)."""
+    n = len(b)
+    r_unif, mem_unif, n_fit = np.full(n, np.inf), np.full(n, np.inf), np.zeros(n, dtype=np.int64)
+    if not need.any():
+        return r_unif, mem_unif, n_fit
+    sub = np.nonzero(need)[0]
+    sb = b.select(sub)
+    gcd = g.gcd[sub]
+    sizes = sorted({d for x in set(gcd.tolist()) for d in _divisors(max(1, int(x))) if d > 1})
+    if inp.fixed.recompute_num_layers is not None:
+        sizes = [inp.fixed.recompute_num_layers]
+    for R in sizes:
+        valid = gcd % R == 0
+        if not valid.any():
+            continue
+        m = _total_gib(sb, RECOMPUTE_FULL, R)
+        fit = valid & (m <= budget)
+        n_fit[sub] += fit
+        take = fit & ~np.isfinite(r_unif[sub])
+        r_unif[sub] = np.where(take, R, r_unif[sub])
+        mem_unif[sub] = np.where(take, m, mem_unif[sub])
+    return r_unif, mem_unif, n_fit
+
+
+def _options(inp: SearchInputs, b: LayoutBatch, g: _Grid) -> _Options:
+    budget = inp.capacity_gib - inp.required_headroom_gib
+    allow_none, allow_sel, _, _ = _recompute_allowed(inp)
+    inf = np.full(len(b), np.inf)
+    mem_none = _total_gib(b, RECOMPUTE_NONE) if allow_none else inf
+    mem_sel = _total_gib(b, RECOMPUTE_SELECTIVE) if allow_sel else inf
+    k_block, mem_block = _block_option(inp, b, g, budget)
+    need = (mem_none > budget) & (mem_sel > budget) & ~np.isfinite(k_block) & (g.n_unif > 0)
+    r_unif, mem_unif, n_fit = _uniform_option(inp, b, g, need, budget)
+    return _Options(mem_none, mem_sel, k_block, mem_block, r_unif, mem_unif, n_fit)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Timing
+# ---------------------------------------------------------------------------------------------
 
 
 def _empty(layouts, st, min_state, best_seen) -> SearchOutcome:
@@ -567,181 +604,54 @@ def _empty(layouts, st, min_state, best_seen) -> SearchOutcome:
                          min_state, best_seen)
 
 
-def _score(inp: SearchInputs, st: SearchStats, layouts: list[Layout], cols: dict[str, np.ndarray],
-           min_state: float) -> SearchOutcome:
-    f = inp.fixed
-    L = inp.shape.num_layers
-    gbs = inp.global_batch_size
-    if not layouts:
-        return _empty(layouts, st, min_state, math.inf)
-    n_lay = len(layouts)
-
-    # Configuration grid: layout x micro-batch (a divisor of GBS/DP) x distributed optimizer.
-    mb_all = divisors(gbs) if f.mbs is None else [f.mbs]
-    if inp.quick:
-        mb_all = [m for m in mb_all if m <= 8] or mb_all[:1]
-    dists = [f.dist_opt] if f.dist_opt is not None else ([True] if inp.quick else [True, False])
-    nmb, nd = len(mb_all), len(dists)
-    li = np.repeat(np.arange(n_lay), nmb * nd)
-    mbs = np.tile(np.repeat(np.asarray(mb_all, dtype=np.int64), nd), n_lay)
-    dist = np.tile(np.asarray(dists, dtype=bool), n_lay * nmb)
-    dp_i = cols["dp"].astype(np.int64)[li]
-    keep = (gbs % dp_i == 0) & ((gbs // dp_i) % mbs == 0)
-    li, mbs, dist = li[keep], mbs[keep], dist[keep]
-    n = len(li)
-
-    allow_none, allow_sel, allow_block, allow_uniform = _recompute_allowed(inp)
-    nl_max = np.max([cols[f"nl{i}"] for i in range(_NSLOTS)], axis=0)
-    pc_lay = np.maximum(1.0, np.floor(nl_max / cols["vp"]))
-    # Uniform recompute groups must tile every stage's chunk (Megatron indexes past the end otherwise).
-    gcd_lay = np.asarray([math.gcd(*layers_per_stage(L, lo.pp, lo.first, lo.last)) // lo.vp if lo.pp > 1 else L
-                          for lo in layouts], dtype=np.int64)
-    nu_lay = np.asarray([len(_divisors(max(1, int(x)))) - 1 for x in gcd_lay], dtype=np.int64)
-    pinned_k = f.recompute_num_layers
-    if pinned_k is not None:
-        n_block_lay = np.where(pc_lay >= pinned_k, 1, 0) if allow_block else np.zeros(n_lay, dtype=np.int64)
-        n_unif_lay = np.where(gcd_lay % pinned_k == 0, 1, 0) if allow_uniform else np.zeros(n_lay, dtype=np.int64)
-    else:
-        n_block_lay = pc_lay.astype(np.int64) if allow_block else np.zeros(n_lay, dtype=np.int64)
-        n_unif_lay = nu_lay if allow_uniform else np.zeros(n_lay, dtype=np.int64)
-    n_block, n_unif = n_block_lay[li], n_unif_lay[li]
-    n_opts = int(allow_none) + int(allow_sel) + n_block + n_unif
-    st.configurations_enumerated += int(n_opts.sum())
-
-    # Megatron's interleaved schedule runs micro-batches in groups of PP.
-    vp_i, pp_i = cols["vp"][li], cols["pp"][li].astype(np.int64)
-    M = gbs // (mbs * dp_i[keep])
-    bad = (vp_i > 1) & (M % pp_i != 0)
-    _add(st.configurations_rejected_by_rule, "interleaved_microbatches_not_divisible_by_pp", int(n_opts[bad].sum()))
-    # The distributed optimizer shards the Adam state (never more memory) and in physics.step_time moves
-    # the same bytes as the all-reduce with a 1/DP-sized Adam step (never slower; a test checks
-    # this), so optimizer-off variants are dominated unless pinned.
-    dom_dist = ~dist & (f.dist_opt is None) & ~bad
-    st.configurations_dominated += int(n_opts[dom_dist].sum())
-    live = ~bad & ~dom_dist
-    li, mbs, dist, n_block, n_unif = li[live], mbs[live], dist[live], n_block[live], n_unif[live]
-    n = len(li)
-    if not n:
-        return _empty(layouts, st, min_state, math.inf)
-    t = _Table(cols, li, mbs, dist)
-    pc = pc_lay[li]
-    gcd_i = gcd_lay[li]
+def _account(inp: SearchInputs, st: SearchStats, g: _Grid, o: _Options) -> tuple:
+    """Count each option: dominated when a cheaper-or-equal-compute option of its row fits, timed when
+    it is the cheapest fitting one of its kind, over memory otherwise. Returns the timed masks."""
     budget = inp.capacity_gib - inp.required_headroom_gib
-
-    inf = np.full(n, np.inf)
-    mem_none = _memory_total_gib(inp, t, RC_NONE) if allow_none else inf
-    mem_sel = _memory_total_gib(inp, t, RC_SELECTIVE) if allow_sel else inf
-    fits_none = mem_none <= budget
-    fits_sel = mem_sel <= budget
-    # Block: the smallest k that fits (closed form), then its exact memory.
-    k_block = inf
-    mem_block = inf
-    if allow_block and (n_block > 0).any():
-        if pinned_k is not None:
-            k_block = np.where(n_block > 0, float(pinned_k), np.inf)
-        else:
-            k_block = _memory_total_gib(inp, t, RC_BLOCK, closed_form=True)
-        kk = np.where(np.isfinite(k_block), np.minimum(k_block, pc), pc)
-        mem_block = _memory_total_gib(inp, t, RC_BLOCK, k=kk)
-        if pinned_k is None:
-            # The closed form's ceil can land one short under rounding: step once more where so.
-            retry = np.isfinite(k_block) & (mem_block > budget) & (kk < pc)
-            if retry.any():
-                kk = np.where(retry, kk + 1, kk)
-                mem_block = np.where(retry, _memory_total_gib(inp, t, RC_BLOCK, k=kk), mem_block)
-        ok = np.isfinite(k_block) & (mem_block <= budget)
-        k_block = np.where(ok, kk, np.inf)
-    fits_block = np.isfinite(k_block)
-    best_seen = float(np.min(np.minimum(np.minimum(mem_none, mem_sel), mem_block)))
-
-    # Uniform groups are evaluated only where nothing cheaper fits (same compute as block k = chunk).
-    r_unif = np.full(n, np.inf)
-    mem_unif = np.full(n, np.inf)
-    n_unif_fit = np.zeros(n, dtype=np.int64)
-    need = ~fits_none & ~fits_sel & ~fits_block & (n_unif > 0)
-    if need.any():
-        sub = np.nonzero(need)[0]
-        ts = _Table(cols, li[sub], mbs[sub], dist[sub])
-        sizes = sorted({d for x in set(gcd_i[sub].tolist()) for d in _divisors(max(1, int(x))) if d > 1})
-        if pinned_k is not None:
-            sizes = [pinned_k]
-        for R in sizes:
-            valid = gcd_i[sub] % R == 0
-            if not valid.any():
-                continue
-            m = _memory_total_gib(inp, ts, RC_UNIFORM, k=np.full(len(sub), float(R)))
-            fit = valid & (m <= budget)
-            n_unif_fit[sub] += fit
-            take = fit & ~np.isfinite(r_unif[sub])
-            r_unif[sub] = np.where(take, R, r_unif[sub])
-            mem_unif[sub] = np.where(take, m, mem_unif[sub])
-        best_seen = min(best_seen, float(np.min(mem_unif)))
-    fits_unif = np.isfinite(r_unif)
-
-    # Accounting: an option is dominated when a cheaper-or-equal-compute option of its row fits,
-    # timed when it is the cheapest fitting one of its kind, over memory otherwise.
+    allow_none, allow_sel, _, _ = _recompute_allowed(inp)
+    fits_none, fits_sel = o.mem_none <= budget, o.mem_sel <= budget
+    fits_block, fits_unif = np.isfinite(o.k_block), np.isfinite(o.r_unif)
     t_none, t_sel = fits_none, fits_sel & ~fits_none
     t_block = fits_block & ~fits_none
-    t_unif = fits_unif
-    timed = t_none.astype(np.int64) + t_sel + t_block + t_unif
-    n_opts_live = int(allow_none) + int(allow_sel) + n_block + n_unif
+    timed = t_none.astype(np.int64) + t_sel + t_block + fits_unif
+    n_opts_live = int(allow_none) + int(allow_sel) + g.n_block + g.n_unif
     dominated = np.where(fits_none, n_opts_live - 1, 0)
-    k_fit = np.where(fits_block, k_block, 0)
-    dominated = dominated + np.where(~fits_none & fits_block, n_block - k_fit, 0)
-    dominated = dominated + np.where(~fits_none & (fits_sel | fits_block), n_unif, 0)
-    dominated = dominated + np.where(fits_unif, n_unif_fit - 1, 0)
+    k_fit = np.where(fits_block, o.k_block, 0)
+    dominated = dominated + np.where(~fits_none & fits_block, g.n_block - k_fit, 0)
+    dominated = dominated + np.where(~fits_none & (fits_sel | fits_block), g.n_unif, 0)
+    dominated = dominated + np.where(fits_unif, o.n_unif_fit - 1, 0)
     st.configurations_timed += int(timed.sum())
     st.configurations_dominated += int(dominated.sum())
     st.configurations_over_memory += int((n_opts_live - timed - dominated).sum())
+    return t_none, t_sel, t_block, fits_unif
 
+
+def _score(inp: SearchInputs, st: SearchStats, layouts: list[Layout], min_state: float) -> SearchOutcome:
+    lb = _layout_batch(inp, layouts)
+    g = _grid(inp, st, lb, layouts)
+    if g is None:
+        return _empty(layouts, st, min_state, math.inf)
+    b = _configurations(lb, g.li, g.mbs, g.dist)
+    o = _options(inp, b, g)
+    best_seen = float(np.min(np.minimum(np.minimum(np.minimum(o.mem_none, o.mem_sel), o.mem_block), o.mem_unif)))
+    masks = _account(inp, st, g, o)
     parts = []
-    for mask, code, kval, mem in (
-        (t_none, RC_NONE, np.zeros(n), mem_none),
-        (t_sel, RC_SELECTIVE, np.zeros(n), mem_sel),
-        (t_block, RC_BLOCK, k_block, mem_block),
-        (t_unif, RC_UNIFORM, r_unif, mem_unif),
-    ):
+    zeros = np.zeros(len(b))
+    for mask, code, kval, mem in zip(masks, (RC_NONE, RC_SELECTIVE, RC_BLOCK, RC_UNIFORM),
+                                     (zeros, zeros, o.k_block, o.r_unif), (o.mem_none, o.mem_sel, o.mem_block, o.mem_unif),
+                                     strict=True):
         idx = np.nonzero(mask)[0]
         if len(idx):
             parts.append((idx, np.full(len(idx), code), kval[idx], mem[idx]))
     if not parts:
         return _empty(layouts, st, min_state, best_seen)
-    rows = np.concatenate([p[0] for p in parts])
-    rc = np.concatenate([p[1] for p in parts])
-    rk = np.concatenate([p[2] for p in parts])
-    mem = np.concatenate([p[3] for p in parts])
-    gl = {k: v[rows] for k, v in t.g.items()}
-    b = mbs[rows]
-    d = dist[rows]
-    # Perf's recompute fraction: step_time uses L // (PP * VP) layers per chunk.
-    chunk = np.maximum(1.0, np.floor(L / (gl["pp"] * gl["vp"])))
-    frac = np.where(rc == RC_BLOCK, np.minimum(rk, chunk) / chunk, 1.0)
-    rcode = np.where(rc == RC_NONE, 0, np.where(rc == RC_SELECTIVE, 1, 2))
-    it = np.empty(len(rows))
-    tok = np.empty(len(rows))
-    im = inp.implementation
-    for prec_v, prec in ((0.0, "bf16"), (1.0, "fp8")):
-        sel_rows = np.nonzero(gl["fp8"] == prec_v)[0]
-        if not len(sel_rows):
-            continue
-        r = step_time_arrays(
-            inp.shape, inp.hardware, inp.seq_length, gbs,
-            tp=gl["tp"][sel_rows], pp=gl["pp"][sel_rows], dp=gl["dp"][sel_rows], cp=gl["cp"][sel_rows],
-            ep=gl["ep"][sel_rows], etp=gl["etp"][sel_rows], vp=gl["vp"][sel_rows], micro_batch_size=b[sel_rows],
-            sequence_parallel=gl["sp"][sel_rows], recompute=rcode[sel_rows], recompute_fraction=frac[sel_rows],
-            use_distributed_optimizer=d[sel_rows], overlap_grad_reduce=True, overlap_param_gather=d[sel_rows],
-            tp_comm_overlap=False, precision=prec, fp8_recipe=inp.fp8_recipe, fp8_param_gather=False,
-            transformer_impl=im.transformer_impl, attention_backend=im.attention_backend,
-            grad_reduce_in_fp32=im.grad_reduce_in_fp32, gradient_accumulation_fusion=im.gradient_accumulation_fusion,
-            moe_token_dispatcher_type=im.moe_token_dispatcher_type,
-            moe_grouped_gemm=im.moe_grouped_gemm, cross_entropy_loss_fusion=im.cross_entropy_loss_fusion,
-            # slots hold ranks (0, 1, PP-2, PP-1): first, middles, last stage layer counts
-            stage_layers=(gl["nl0"][sel_rows], np.maximum(gl["nl1"], gl["nl2"])[sel_rows], gl["nl3"][sel_rows]),
-        )
-        it[sel_rows] = np.broadcast_to(r["iteration_time_s"], sel_rows.shape)
-        tok[sel_rows] = np.broadcast_to(r["tokens_per_s_per_gpu"], sel_rows.shape)
+    rows, rc, rk, mem = (np.concatenate([p[i] for p in parts]) for i in range(4))
+    timed = replace(b.select(rows), recompute=np.where(rc == RC_NONE, RECOMPUTE_NONE, np.where(rc == RC_SELECTIVE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL)),
+                    recompute_block=rc == RC_BLOCK, recompute_num_layers=rk.astype(np.int64))
+    r = step_time_arrays(timed, inp.hardware)
     return SearchOutcome(
-        layouts=layouts, layout=li[rows], mbs=b, dist_opt=d, recompute=rc, recompute_num_layers=rk,
-        iteration_time_s=it, tokens_per_s_per_gpu=tok, memory_total_gib=mem, stats=st,
+        layouts=layouts, layout=g.li[rows], mbs=g.mbs[rows], dist_opt=g.dist[rows], recompute=rc, recompute_num_layers=rk,
+        iteration_time_s=np.asarray(r["iteration_time_s"], dtype=np.float64),
+        tokens_per_s_per_gpu=np.asarray(r["tokens_per_s_per_gpu"], dtype=np.float64), memory_total_gib=mem, stats=st,
         min_model_state_gib=min_state, best_unconstrained_total_gib=best_seen,
     )

@@ -26,7 +26,7 @@ from mcore_advisor import __version__
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.evaluate import Evaluation, evaluate_plan
-from mcore_advisor.rendering.megatron_args import Flag, megatron_flags
+from mcore_advisor.rendering.megatron_args import Flag, as_rendered, megatron_flags
 from mcore_advisor.rendering.request import Launcher, RenderRequest, Target
 from mcore_advisor.schemas import Plan, parallel_dims
 
@@ -397,7 +397,10 @@ def render_launch_script(request: RenderRequest) -> LaunchArtifact:
     shape = resolve_model(plan.model)
     d = parallel_dims(plan)
 
-    ev = evaluate_plan(plan)
+    apex = req.apex_installed if req.apex_installed is not None else req.container_image is not None
+    rendered = as_rendered(plan, apex=apex)
+    # The header predicts the run the script starts: the Megatron-LM flags' plan, not the request's.
+    ev = evaluate_plan(rendered.plan if req.target == "megatron" else plan)
     findings = ev.findings
     errors = [f for f in findings if f.severity == "error"]
     if errors and not req.allow_invalid:
@@ -408,14 +411,21 @@ def render_launch_script(request: RenderRequest) -> LaunchArtifact:
     job_name = req.job_name or _default_job_name(plan)
     run_dir = req.run_dir or f"runs/{job_name}"
     _check_operand("run_dir", run_dir)
-    apex = req.apex_installed if req.apex_installed is not None else req.container_image is not None
     if req.apex_installed is None and apex and plan.implementation.gradient_accumulation_fusion:
         notes.append("gradient accumulation fusion kept: assuming the container image ships Apex (NGC PyTorch "
                      "images have); set apex_installed false if it does not")
-    if plan.implementation.attention_backend == "local":
+    if plan.implementation.attention_backend == "local" and plan.implementation.transformer_impl == "local":
         notes.append("attention_backend 'local' not passed: Megatron's pretrain_gpt cannot take --spec local; "
                      "transformer_impl local already runs Megatron-Core's own DotProductAttention")
-    mflags = megatron_flags(plan, shape, req, run_dir=run_dir, gradient_accumulation_fusion=apex, notes=notes)
+    notes += rendered.notes
+    if req.target == "megatron" and rendered.plan != plan:
+        notes.append("the predicted figures above are for the plan as these flags run it (the changes noted here), "
+                     "not for the plan JSON as given")
+    if req.target == "profile" and shape.is_hybrid:
+        mflags: list[Flag] = []
+        notes.append("no Megatron-LM argv for reference: hybrid Mamba models run pretrain_hybrid.py, which this renderer does not target")
+    else:
+        mflags = megatron_flags(rendered, shape, req, run_dir=run_dir, notes=notes)
     extra = _extra_flags(req.extra_args)
     plan_sourced = {f.name for f in mflags}
     clashes = [f.name.split("=", 1)[0] for f in extra if f.name.split("=", 1)[0] in plan_sourced]

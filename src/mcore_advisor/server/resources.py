@@ -11,6 +11,7 @@ from mcore_advisor.knowledge.claims import seed_claims
 from mcore_advisor.knowledge.hardware import gpu_catalog
 from mcore_advisor.knowledge.models import catalog_model, model_catalog
 from mcore_advisor.knowledge.runs import published_runs, sources
+from mcore_advisor.server.params import PlanStore
 
 FLOP_CONVENTIONS = {
     "causal": (
@@ -30,7 +31,13 @@ def _dump(obj) -> str:
     return json.dumps(to_jsonable_python(obj), indent=1)
 
 
-def register_resources(mcp: MCPServer) -> None:
+def register_resources(mcp: MCPServer, plans: PlanStore | None = None) -> None:
+    if plans is not None:
+        @mcp.resource("mcore://plans/{plan_id}", mime_type="application/json")
+        def plan(plan_id: str) -> str:
+            """A plan this server answered about, by the plan_id its answer gave: the full plan object."""
+            return _dump(plans.get(plan_id).model_dump(mode="json"))
+
     @mcp.resource("mcore://hardware", mime_type="application/json")
     def hardware() -> str:
         """GPU catalog: dense BF16/FP8 peaks, HBM, NVLink and network bandwidth, each with its source."""

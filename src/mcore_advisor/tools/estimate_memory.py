@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mcore_advisor.physics.evaluate import blocking_first, unmodelled_settings
 from mcore_advisor.physics.memory import MemoryBreakdown, memory_breakdown
 from mcore_advisor.planning.plan_changes import LOW_HEADROOM_FRACTION, MemoryChange, memory_fixes
 from mcore_advisor.schemas import Finding, Plan
@@ -17,13 +18,14 @@ class MemoryReport(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
+    valid: bool = Field(description="False when a validator rejects the plan (Megatron would refuse it); its blocking findings come first. The breakdown is then what the layout would need, not a runnable plan's.")
     breakdown: MemoryBreakdown
     fits: bool
     headroom_gib: float
     most_loaded_pipeline_rank: int
     most_loaded_role: str
     imbalance_gib: float = Field(description="Peak allocated of the most-loaded minus the least-loaded pipeline rank, GiB.")
-    findings: list[Finding] = Field(description="Validation findings (errors make the plan unrunnable) plus memory verdicts.")
+    findings: list[Finding] = Field(description="Validation findings plus memory verdicts, blocking errors first (errors make the plan unrunnable).")
     suggestions: list[MemoryChange] = Field(description="Ranked by memory saved; given when the plan does not fit or headroom < 5%.")
 
 
@@ -37,7 +39,8 @@ def estimate_memory(plan: Plan) -> MemoryReport:
     CUDA context + NCCL buffers, and is what must stay below the GPU's capacity.
     """
     bd = memory_breakdown(plan)
-    findings = list(validate(plan))
+    findings = validate(plan) + unmodelled_settings(plan)
+    valid = not any(f.severity == "error" for f in findings)
     imbalance = max(s.peak_allocated_bytes for s in bd.stages) / 2**30 - bd.least_loaded_peak_gib
     low = bd.headroom_gib < LOW_HEADROOM_FRACTION * bd.capacity_gib
     if not bd.fits:
@@ -57,7 +60,7 @@ def estimate_memory(plan: Plan) -> MemoryReport:
         ))
     suggestions = memory_fixes(plan, bd) if not bd.fits or low else []
     return MemoryReport(
-        breakdown=bd, fits=bd.fits, headroom_gib=bd.headroom_gib,
+        valid=valid, breakdown=bd, fits=bd.fits, headroom_gib=bd.headroom_gib,
         most_loaded_pipeline_rank=bd.most_loaded_pipeline_rank, most_loaded_role=bd.most_loaded_role,
-        imbalance_gib=imbalance, findings=findings, suggestions=suggestions,
+        imbalance_gib=imbalance, findings=blocking_first(findings), suggestions=suggestions,
     )

@@ -1,18 +1,26 @@
 """Machinery shared by the rule modules: the resolved plan every rule reads, the registry, fix helpers.
 
 A rule is a cheap predicate on `Ctx` (plain ints, bools and strings) plus a builder that turns a
-violation into a `Finding`. `validate` runs predicate then builder; the recommender's fast path
-(`layout_errors`) runs only the predicates of error rules, so both agree by construction.
+violation into a `Finding`. `validate` runs predicate then builder; the layout search's fast path
+(`layout_errors(ctx)`) runs only the predicates of error rules, so both agree by construction.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from mcore_advisor.knowledge.hardware import GpuSpec
-from mcore_advisor.schemas import Finding, ModelShape, Severity, layers_per_stage
+from mcore_advisor.schemas import (
+    Finding,
+    ImplementationSpec,
+    ModelShape,
+    ParallelismSpec,
+    Severity,
+    TrainingSpec,
+    layers_per_stage,
+)
 
 # Dotted plan fields, so every finding names what to change exactly as the Plan spells it.
 NUM_GPUS = "cluster.num_gpus"
@@ -49,196 +57,144 @@ FSDP2 = "implementation.use_torch_fsdp2"
 GIB = 1024**3
 
 
+def _default(section: type, name: str):
+    """The Plan's default for a field, so the fast path cannot drift from the schema."""
+    return section.model_fields[name].default
+
+
 @dataclass(slots=True)
 class Ctx:
-    """One plan, resolved to plain values; derived quantities are filled by `make_ctx`."""
+    """One plan resolved to plain values: what every rule reads, and the validators' fast path.
+
+    Build it from a Plan (`validators.validate` does) or directly from plain values for a search
+    loop (`validators.layout_errors(Ctx(...))`); fields left out take the Plan's defaults, and
+    `ctx.with_layout(tp=..., ...)` (or dataclasses.replace) gives a neighbouring layout. `__post_init__` resolves
+    the cluster defaults from the GPU (gpus_per_node, bandwidths, memory None = the catalog's) and
+    fills the derived fields.
+    """
 
     shape: ModelShape
     gpu: GpuSpec
     num_gpus: int
-    gpus_per_node: int
-    nvlink_gbps: float | None
-    scaleout_gbps: float
-    hbm_gib: float
     seq_length: int
-    seq_length_max: int | None
-    kv_channels_given: bool
     gbs: int
-    mbs: int
-    precision: str
-    fp8_recipe: str
-    fp8_format: str
-    fp8_param_gather: bool
-    tp: int
-    pp: int
-    vp_raw: int | None
-    cp: int
-    ep: int
-    etp_raw: int | None
-    sp: bool
-    use_distributed_optimizer: bool
-    recompute_granularity: str | None
-    recompute_method: str | None
-    recompute_num_layers: int | None
-    recompute_modules: tuple[str, ...] | None
-    overlap_grad_reduce: bool
-    overlap_param_gather: bool
-    tp_comm_overlap: bool
-    transformer_impl: str
-    attention_backend: str
-    moe_token_dispatcher_type: str
-    moe_grouped_gemm: bool
-    use_torch_fsdp2: bool
+    mbs: int = 1
+    gpus_per_node: int | None = None
+    nvlink_gbps: float | None = None
+    scaleout_gbps: float | None = None
+    hbm_gib: float | None = None
+    seq_length_max: int | None = None
+    kv_channels_given: bool | None = None  # None = inferred from the shape
+    precision: str = _default(TrainingSpec, "precision")
+    fp8_recipe: str = _default(TrainingSpec, "fp8_recipe")
+    fp8_format: str = _default(TrainingSpec, "fp8_format")
+    fp8_param_gather: bool = _default(TrainingSpec, "fp8_param_gather")
+    tp: int = 1
+    pp: int = 1
+    vp_raw: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp_raw: int | None = None
+    sp: bool = False
+    use_distributed_optimizer: bool = _default(ParallelismSpec, "use_distributed_optimizer")
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] | None = None
+    overlap_grad_reduce: bool = _default(ParallelismSpec, "overlap_grad_reduce")
+    overlap_param_gather: bool = _default(ParallelismSpec, "overlap_param_gather")
+    tp_comm_overlap: bool = _default(ParallelismSpec, "tp_comm_overlap")
+    transformer_impl: str = _default(ImplementationSpec, "transformer_impl")
+    attention_backend: str = _default(ImplementationSpec, "attention_backend")
+    moe_token_dispatcher_type: str = _default(ImplementationSpec, "moe_token_dispatcher_type")
+    moe_grouped_gemm: bool = _default(ImplementationSpec, "moe_grouped_gemm")
+    use_torch_fsdp2: bool = _default(ImplementationSpec, "use_torch_fsdp2")
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
-    cross_entropy_fusion_impl: str = "native"
+    cross_entropy_fusion_impl: str = _default(ImplementationSpec, "cross_entropy_fusion_impl")
     # derived
-    etp: int = 0
-    vp: int = 1  # model chunks per stage actually built (1 unless interleaved)
-    interleaved: bool = False
-    sp_effective: bool = False  # Megatron turns SP off when TP == 1
-    model_parallel: int = 0  # TP * PP * CP
-    world_ok: bool = False
-    dp: int = 0  # 0 when the world size is not divisible
-    expert_model_pipeline: int = 0  # ETP * EP * PP
-    expert_world_ok: bool = False
-    expert_dp: int = 0
-    num_experts: int = 0
-    is_moe: bool = False
-    num_moe_layers: int = 0
-    layers_ok: bool = False
-    layers_per_stage: int = 0  # the most-loaded stage's layers
-    chunk_ok: bool = False
-    layers_per_chunk: int = 0  # 0 when not an integer
-    batch_ok: bool = False
-    num_microbatches: int = 0  # 0 when the batch does not divide
+    etp: int = field(default=0, init=False)
+    vp: int = field(default=1, init=False)  # model chunks per stage actually built (1 unless interleaved)
+    interleaved: bool = field(default=False, init=False)
+    sp_effective: bool = field(default=False, init=False)  # Megatron turns SP off when TP == 1
+    model_parallel: int = field(default=0, init=False)  # TP * PP * CP
+    world_ok: bool = field(default=False, init=False)
+    dp: int = field(default=0, init=False)  # 0 when the world size is not divisible
+    expert_model_pipeline: int = field(default=0, init=False)  # ETP * EP * PP
+    expert_world_ok: bool = field(default=False, init=False)
+    expert_dp: int = field(default=0, init=False)
+    num_experts: int = field(default=0, init=False)
+    is_moe: bool = field(default=False, init=False)
+    num_moe_layers: int = field(default=0, init=False)
+    layers_ok: bool = field(default=False, init=False)
+    layers_per_stage: int = field(default=0, init=False)  # the most-loaded stage's layers
+    chunk_ok: bool = field(default=False, init=False)
+    layers_per_chunk: int = field(default=0, init=False)  # 0 when not an integer
+    batch_ok: bool = field(default=False, init=False)
+    num_microbatches: int = field(default=0, init=False)  # 0 when the batch does not divide
+
+    def __post_init__(self) -> None:
+        g, shape = self.gpu, self.shape
+        self.gpus_per_node = self.gpus_per_node or g.gpus_per_node
+        self.nvlink_gbps = self.nvlink_gbps or g.nvlink_bandwidth_gbps
+        self.scaleout_gbps = self.scaleout_gbps or g.scaleout_bandwidth_gbps
+        self.hbm_gib = self.hbm_gib or g.hbm_capacity_gib
+        if self.kv_channels_given is None:
+            h, n = shape.hidden_size, shape.num_attention_heads
+            self.kv_channels_given = h % n == 0 or shape.kv_channels != h // n
+        if self.recompute_modules is not None:
+            self.recompute_modules = tuple(self.recompute_modules)
+        self._derive_layout()
+        self._derive_stages()
+
+    def with_layout(self, **changes: object) -> Ctx:
+        """A copy with these input fields changed and every derived field recomputed: what
+        dataclasses.replace does, at a fraction of its cost in a search loop."""
+        c = object.__new__(Ctx)
+        for name in _INPUT_FIELDS:
+            setattr(c, name, changes.pop(name) if name in changes else getattr(self, name))
+        if changes:
+            raise TypeError(f"Ctx.with_layout got unknown fields {sorted(changes)}")
+        c.__post_init__()
+        return c
+
+    def _derive_layout(self) -> None:
+        tp, pp, cp, ep = self.tp, self.pp, self.cp, self.ep
+        # Megatron: expert_tensor_parallel_size defaults to TP (validate_args / ModelParallelConfig).
+        self.etp = self.etp_raw or tp
+        # Megatron stores a VP of 1 as None, and only interleaves with PP > 1.
+        self.interleaved = pp > 1 and self.vp_raw is not None and self.vp_raw > 1
+        self.vp = self.vp_raw if self.interleaved else 1
+        self.sp_effective = self.sp and tp > 1
+        self.model_parallel = tp * pp * cp
+        self.world_ok = self.num_gpus % self.model_parallel == 0
+        self.dp = self.num_gpus // self.model_parallel if self.world_ok else 0
+        self.expert_model_pipeline = self.etp * ep * pp
+        self.expert_world_ok = self.num_gpus % self.expert_model_pipeline == 0
+        self.expert_dp = self.num_gpus // self.expert_model_pipeline if self.expert_world_ok else 0
+        self.num_experts = self.shape.num_experts or 0
+        self.num_moe_layers = self.shape.num_moe_layers if self.num_experts else 0
+        self.is_moe = self.shape.is_moe
+        step = self.mbs * self.dp
+        self.batch_ok = self.world_ok and self.gbs % step == 0
+        self.num_microbatches = self.gbs // step if self.batch_ok else 0
+
+    def _derive_stages(self) -> None:
+        pp, first, last = self.pp, self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        uneven = pp > 1 and (first is not None or last is not None)
+        try:
+            stages = layers_per_stage(self.shape.num_layers, pp, first if pp > 1 else None, last if pp > 1 else None)
+            self.layers_ok = min(stages) > 0 or not uneven
+        except ValueError:
+            stages = []
+            self.layers_ok = False
+        self.layers_per_stage = max(stages) if self.layers_ok else 0
+        self.chunk_ok = self.layers_ok and all(n % self.vp == 0 for n in stages)
+        # With an uneven split the chunk size differs per stage; rules use the most-loaded stage's.
+        self.layers_per_chunk = self.layers_per_stage // self.vp if self.chunk_ok else 0
 
 
-def make_ctx(
-    shape: ModelShape,
-    gpu: GpuSpec,
-    *,
-    num_gpus: int,
-    gpus_per_node: int | None,
-    nvlink_bandwidth_gbps: float | None,
-    scaleout_bandwidth_gbps: float | None,
-    gpu_memory_gib: float | None,
-    seq_length: int,
-    seq_length_max: int | None,
-    kv_channels_given: bool,
-    global_batch_size: int,
-    micro_batch_size: int,
-    precision: str,
-    fp8_recipe: str,
-    fp8_format: str,
-    fp8_param_gather: bool,
-    tensor_model_parallel_size: int,
-    pipeline_model_parallel_size: int,
-    virtual_pipeline_model_parallel_size: int | None,
-    context_parallel_size: int,
-    expert_model_parallel_size: int,
-    expert_tensor_parallel_size: int | None,
-    sequence_parallel: bool,
-    use_distributed_optimizer: bool,
-    recompute_granularity: str | None,
-    recompute_method: str | None,
-    recompute_num_layers: int | None,
-    recompute_modules: Iterable[str] | None,
-    overlap_grad_reduce: bool,
-    overlap_param_gather: bool,
-    tp_comm_overlap: bool,
-    transformer_impl: str,
-    attention_backend: str,
-    moe_token_dispatcher_type: str,
-    moe_grouped_gemm: bool,
-    use_torch_fsdp2: bool,
-    decoder_first_pipeline_num_layers: int | None = None,
-    decoder_last_pipeline_num_layers: int | None = None,
-    cross_entropy_fusion_impl: str = "native",
-) -> Ctx:
-    tp, pp, cp, ep = (
-        tensor_model_parallel_size,
-        pipeline_model_parallel_size,
-        context_parallel_size,
-        expert_model_parallel_size,
-    )
-    c = Ctx(
-        shape=shape,
-        gpu=gpu,
-        num_gpus=num_gpus,
-        gpus_per_node=gpus_per_node or gpu.gpus_per_node,
-        nvlink_gbps=nvlink_bandwidth_gbps or gpu.nvlink_bandwidth_gbps,
-        scaleout_gbps=scaleout_bandwidth_gbps or gpu.scaleout_bandwidth_gbps,
-        hbm_gib=gpu_memory_gib or gpu.hbm_capacity_gib,
-        seq_length=seq_length,
-        seq_length_max=seq_length_max,
-        kv_channels_given=kv_channels_given,
-        gbs=global_batch_size,
-        mbs=micro_batch_size,
-        precision=precision,
-        fp8_recipe=fp8_recipe,
-        fp8_format=fp8_format,
-        fp8_param_gather=fp8_param_gather,
-        tp=tp,
-        pp=pp,
-        vp_raw=virtual_pipeline_model_parallel_size,
-        cp=cp,
-        ep=ep,
-        etp_raw=expert_tensor_parallel_size,
-        sp=sequence_parallel,
-        use_distributed_optimizer=use_distributed_optimizer,
-        recompute_granularity=recompute_granularity,
-        recompute_method=recompute_method,
-        recompute_num_layers=recompute_num_layers,
-        recompute_modules=tuple(recompute_modules) if recompute_modules is not None else None,
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
-        tp_comm_overlap=tp_comm_overlap,
-        transformer_impl=transformer_impl,
-        attention_backend=attention_backend,
-        moe_token_dispatcher_type=moe_token_dispatcher_type,
-        moe_grouped_gemm=moe_grouped_gemm,
-        use_torch_fsdp2=use_torch_fsdp2,
-        decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
-        decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers,
-        cross_entropy_fusion_impl=cross_entropy_fusion_impl,
-    )
-    # Megatron: expert_tensor_parallel_size defaults to TP (validate_args / ModelParallelConfig).
-    c.etp = expert_tensor_parallel_size or tp
-    vp_raw = virtual_pipeline_model_parallel_size
-    # Megatron stores a VP of 1 as None, and only interleaves with PP > 1.
-    c.interleaved = pp > 1 and vp_raw is not None and vp_raw > 1
-    c.vp = vp_raw if c.interleaved else 1
-    c.sp_effective = sequence_parallel and tp > 1
-    c.model_parallel = tp * pp * cp
-    c.world_ok = num_gpus % c.model_parallel == 0
-    c.dp = num_gpus // c.model_parallel if c.world_ok else 0
-    c.expert_model_pipeline = c.etp * ep * pp
-    c.expert_world_ok = num_gpus % c.expert_model_pipeline == 0
-    c.expert_dp = num_gpus // c.expert_model_pipeline if c.expert_world_ok else 0
-    c.num_experts = shape.num_experts or 0
-    c.num_moe_layers = shape.num_moe_layers if c.num_experts else 0
-    c.is_moe = shape.is_moe
-    L = shape.num_layers
-    uneven = pp > 1 and (decoder_first_pipeline_num_layers is not None or decoder_last_pipeline_num_layers is not None)
-    try:
-        stages = layers_per_stage(
-            L, pp, decoder_first_pipeline_num_layers if pp > 1 else None,
-            decoder_last_pipeline_num_layers if pp > 1 else None,
-        )
-        c.layers_ok = min(stages) > 0 or not uneven
-    except ValueError:
-        stages = []
-        c.layers_ok = False
-    c.layers_per_stage = max(stages) if c.layers_ok else 0
-    c.chunk_ok = c.layers_ok and all(n % c.vp == 0 for n in stages)
-    # With an uneven split the chunk size differs per stage; rules use the most-loaded stage's.
-    c.layers_per_chunk = c.layers_per_stage // c.vp if c.chunk_ok else 0
-    step = micro_batch_size * c.dp
-    c.batch_ok = c.world_ok and global_batch_size % step == 0
-    c.num_microbatches = global_batch_size // step if c.batch_ok else 0
-    return c
-
+_INPUT_FIELDS = tuple(f.name for f in fields(Ctx) if f.init)
 
 FindingParts = tuple  # (fields, message, fix) or (fields, message, fix, severity)
 

@@ -10,6 +10,7 @@ from ._core import (
     EP,
     ETP,
     PP,
+    PRECISION,
     SEQ,
     SP,
     TP,
@@ -36,7 +37,17 @@ def tp_candidates(c: Ctx) -> list[int]:
         lambda t: t <= c.gpus_per_node,
         lambda t: c.num_gpus % (t * c.pp * c.cp) == 0,
         lambda t: s.multi_latent_attention or t <= s.num_query_groups,
+        lambda t: not s.num_mamba_layers or _mamba_tp_ok(s, t, c.cp),
     )
+
+
+def _mamba_tp_ok(s, tp: int, cp: int = 1) -> bool:
+    """MambaMixer / MambaContextParallel: heads and groups split over TP, heads of a TP rank over CP."""
+    heads, groups = s.mamba_num_heads, s.mamba_num_groups
+    if heads % tp or groups % tp or (heads // tp) % cp:
+        return False
+    local_groups = groups // tp
+    return (cp % local_groups == 0) if local_groups < cp else (local_groups % cp == 0)
 
 
 def _tp_fix(c: Ctx) -> str:
@@ -487,3 +498,103 @@ def _seq_max(c: Ctx):
         f"set training.seq_length to at most {c.seq_length_max}, or extend the context deliberately "
         "(RoPE scaling, long-context data)",
     )
+
+
+@rule(
+    "mamba_heads_not_divisible_by_groups",
+    "error",
+    AREA,
+    "each Mamba B/C group serves the same number of heads",
+    when=lambda c: c.shape.num_mamba_layers > 0 and c.shape.mamba_num_heads % c.shape.mamba_num_groups != 0,
+)
+def _mamba_heads_groups(c: Ctx):
+    # MambaMixer asserts "nheads must be evenly divisible by ngroups".
+    s = c.shape
+    return (
+        ["model.mamba_num_heads", "model.mamba_num_groups"],
+        f"mamba_num_heads ({s.mamba_num_heads}) must be evenly divisible by mamba_num_groups ({s.mamba_num_groups})",
+        f"set model.mamba_num_groups to {choices(nearest(s.mamba_num_groups, divisors(s.mamba_num_heads)))}",
+    )
+
+
+@rule(
+    "mamba_heads_not_divisible_by_tp",
+    "error",
+    AREA,
+    "Mamba heads and groups split evenly over TP",
+    when=lambda c: c.shape.num_mamba_layers > 0 and (c.shape.mamba_num_heads % c.tp or c.shape.mamba_num_groups % c.tp),
+)
+def _mamba_tp(c: Ctx):
+    # MambaMixer asserts "nheads must be evenly divisble by tp_size" and "ngroups must be evenly
+    # divisible by tp_size" (each TP rank holds whole heads and whole B/C groups).
+    s = c.shape
+    return (
+        [TP, "model.mamba_num_heads", "model.mamba_num_groups"],
+        f"mamba_num_heads ({s.mamba_num_heads}) and mamba_num_groups ({s.mamba_num_groups}) must both be divisible "
+        f"by tensor_model_parallel_size ({c.tp}): each TP rank holds whole Mamba heads and B/C groups",
+        _tp_fix(c),
+    )
+
+
+@rule(
+    "mamba_heads_not_divisible_by_tp_cp",
+    "error",
+    AREA,
+    "Mamba heads of a TP rank split evenly over CP",
+    when=lambda c: (
+        c.shape.num_mamba_layers > 0 and c.cp > 1 and c.shape.mamba_num_heads % c.tp == 0
+        and c.shape.mamba_num_groups % c.tp == 0 and not _mamba_tp_ok(c.shape, c.tp, c.cp)
+    ),
+)
+def _mamba_cp(c: Ctx):
+    # MambaContextParallel (all-to-all CP for Mamba): "nheads must be evenly divisible by tp_size *
+    # cp_size", and each CP rank needs whole groups ("ngroups must be evenly divisible by tp_size *
+    # cp_size") or a whole share of one ("cp_size must be evenly divisible by ngroups/tp_size").
+    s = c.shape
+    ok = [d for d in divisors(s.mamba_num_heads // c.tp) if _mamba_tp_ok(s, c.tp, d) and c.num_gpus % (c.tp * c.pp * d) == 0]
+    return (
+        [CP, TP, "model.mamba_num_heads", "model.mamba_num_groups"],
+        f"context_parallel_size ({c.cp}) does not split the {s.mamba_num_heads // c.tp} Mamba heads and "
+        f"{s.mamba_num_groups // c.tp} B/C group(s) of each TP rank evenly (Megatron's MambaContextParallel)",
+        f"set parallelism.context_parallel_size to {choices(nearest(c.cp, ok or [1]))}",
+    )
+
+
+@rule(
+    "hybrid_interleaved_pipeline",
+    "error",
+    AREA,
+    "hybrid models interleave only through '|' pattern segments",
+    when=lambda c: c.shape.is_hybrid and c.interleaved,
+)
+def _hybrid_vp(c: Ctx):
+    # select_pipeline_segment (models/hybrid/hybrid_layer_allocation.py): "Virtual pipeline
+    # parallelism (vp_stage != None) is not supported when hybrid_layer_pattern has no pipe ('|')
+    # separators"; validate_args sets virtual_pipeline_model_parallel_size to None for such patterns.
+    return (
+        [VP, "model.hybrid_layer_pattern"],
+        f"virtual_pipeline_model_parallel_size {c.vp} on a hybrid model: Megatron-LM interleaves hybrid models only "
+        "through '|' segments of --hybrid-layer-pattern, which are not modelled here",
+        "unset parallelism.virtual_pipeline_model_parallel_size",
+    )
+
+
+@rule(
+    "mamba_fp8_in_proj_width",
+    "error",
+    AREA,
+    "FP8 needs the Mamba in_proj width to be a multiple of 16",
+    when=lambda c: c.shape.num_mamba_layers > 0 and c.precision == "fp8" and _in_proj_width(c.shape) % 16 != 0,
+)
+def _mamba_fp8(c: Ctx):
+    # MambaMixer asserts this under config.fp8 (FP8 GEMMs need 16-aligned dimensions).
+    return (
+        [PRECISION, "model.mamba_num_heads", "model.mamba_state_dim", "model.mamba_num_groups"],
+        f"For FP8, the innermost dimension of the Mamba layer input projection output tensor must be a multiple of "
+        f"16 (2*d_inner + 2*groups*state + heads = {_in_proj_width(c.shape)})",
+        "set training.precision to bf16, or Mamba dims whose in_proj width is a multiple of 16",
+    )
+
+
+def _in_proj_width(s) -> int:
+    return 2 * s.mamba_d_inner + 2 * s.mamba_num_groups * s.mamba_state_dim + s.mamba_num_heads

@@ -5,6 +5,8 @@
 # predicted: <masked>
 # plan JSON: {"implementation":{"expandable_segments":true},"model":{"name":"llama3-8b"},"parallelism":{"sequence_parallel":true,"tensor_model_parallel_size":2},"training":{"seq_length":8192}}
 # run with: bash run.sh
+# note: gradient_accumulation_fusion off in the script (no Apex)
+# note: the predicted figures above are for the plan as these flags run it (the changes noted here), not for the plan JSON as given
 set -euo pipefail
 
 # ---- environment ----
@@ -63,6 +65,14 @@ PROGRAM_ARGS=(
   --position-embedding-type rope
   # required by Megatron; max(training.seq_length, model.seq_length_max)
   --max-position-embeddings 8192
+  # model.rotary_base: RoPE base (Megatron's default 10000)
+  --rotary-base 500000
+  # model.norm_epsilon (Megatron's default 1e-5)
+  --norm-epsilon 1e-05
+  # training.attention_dropout (Megatron's default is 0.1)
+  --attention-dropout 0
+  # training.hidden_dropout (Megatron's default is 0.1)
+  --hidden-dropout 0
   # bf16 parameters and activations (also the base precision under FP8)
   --bf16
   # implementation.cross_entropy_loss_fusion: fused vocab-parallel cross entropy

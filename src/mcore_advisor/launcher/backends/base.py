@@ -16,15 +16,16 @@ import math
 import os
 import re
 import sys
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..store import JobStateName
+from ..store import JobStateName, quote
 
 RESULT_FILE = "result.json"
 ERROR_FILE = "error.json"
@@ -37,6 +38,7 @@ JOB_ENV_MARKER = "MCORE_ADVISOR_JOB_ID"  # set in every job's environment; finds
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SLURM_WORD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _SHARED_RESOURCES = frozenset({"nodes", "gpus_per_node", "time_limit_min"})
+T = TypeVar("T")
 
 
 class BackendError(ValueError):
@@ -45,6 +47,30 @@ class BackendError(ValueError):
     A ValueError so the server reports the message to the client (a refused partition or an
     unreachable slurmrestd is something the caller can act on).
     """
+
+
+class BackendUnavailable(BackendError):
+    """The backend did not answer (controller or daemon down, slow or overloaded).
+
+    Says nothing about the job: its state is unknown, not failed, and the stored state is kept.
+    """
+
+
+def retrying(call: Callable[[], T], *, attempts: int, wait_s: float, what: str) -> T:
+    """call(), tried up to `attempts` times while the backend is unavailable, waiting wait_s, 2*wait_s, ...
+
+    Bounded on purpose: a caller (an MCP client) waits for the answer, and an outage is reported
+    as such rather than retried until the client gives up.
+    """
+    t0 = time.monotonic()
+    for i in range(attempts):
+        try:
+            return call()
+        except BackendUnavailable as exc:
+            last = exc
+            if i + 1 < attempts:
+                time.sleep(wait_s * 2**i)
+    raise BackendUnavailable(f"{last} ({what}: tried {attempts} times over {time.monotonic() - t0:.0f} s)") from last
 
 
 class JobResources(BaseModel):
@@ -158,7 +184,7 @@ class Backend(ABC):
 def check_job_name(name: str) -> None:
     if not _NAME_RE.fullmatch(name or ""):
         raise ValueError(
-            f"name: {name!r} is not a valid job name; use 1-64 characters from A-Z a-z 0-9 _ . - "
+            f"name: {quote(name)} is not a valid job name; use 1-64 characters from A-Z a-z 0-9 _ . - "
             "starting with a letter or digit (no spaces, quotes, ';', '$' or newlines)"
         )
 
@@ -169,7 +195,7 @@ def check_slurm_word(value: str | None, field_name: str) -> None:
         return
     if not _SLURM_WORD_RE.fullmatch(value):
         raise ValueError(
-            f"resources.{field_name}: {value!r} is not a valid Slurm name; use 1-64 characters from "
+            f"resources.{field_name}: {quote(value)} is not a valid Slurm name; use 1-64 characters from "
             "A-Z a-z 0-9 _ . - not starting with '-' or '.'"
         )
 
@@ -190,21 +216,43 @@ def check_safe_path(path: Path, what: str) -> None:
     """Paths go into batch scripts and REST fields: refuse control characters outright."""
     text = str(path)
     if any(ord(c) < 32 or ord(c) == 127 for c in text):
-        raise ValueError(f"{what}: path {text!r} contains control characters; choose another state directory")
+        raise ValueError(f"{what}: path {quote(text, 200)} contains control characters; choose another state directory")
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+MAX_RESULT_BYTES = 16 * 2**20
+"""Most of result.json / error.json read: the profile entry writes tens of KB; a job's files are not
+trusted to be small, and the server reads them on every poll."""
+
+
+class TooLarge(ValueError):
+    pass
+
+
+def read_json(path: Path, limit: int | None = None) -> dict[str, Any] | None:
+    """The JSON object in `path`, reading at most `limit` bytes (default MAX_RESULT_BYTES); None when
+    absent, unreadable or no object; TooLarge when the file is longer than `limit`."""
+    limit = MAX_RESULT_BYTES if limit is None else limit
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        with path.open("rb") as fh:
+            raw = fh.read(limit + 1)
+    except OSError:
+        return None
+    if len(raw) > limit:
+        raise TooLarge(f"{path.name} is larger than the {limit:,} bytes mcore-advisor reads")
+    try:
+        data = json.loads(raw)
+    except ValueError:
         return None
     return data if isinstance(data, dict) else None
 
 
 def read_outcome(job_dir: Path) -> Outcome | None:
     """COMPLETED if result.json says ok; FAILED if error.json exists; None while neither is there."""
-    error = _read_json(job_dir / ERROR_FILE)
-    result = _read_json(job_dir / RESULT_FILE)
+    try:
+        error = read_json(job_dir / ERROR_FILE)
+        result = read_json(job_dir / RESULT_FILE)
+    except TooLarge as exc:
+        return Outcome(state="FAILED", error=f"{exc}: the job wrote an output it should not have; see {job_dir}")
     if result is not None and result.get("status", "ok") == "ok" and error is None:
         return Outcome(state="COMPLETED", result=result)
     if error is not None:

@@ -5,11 +5,17 @@ job command, so the job survives the server exiting. The job row keeps the super
 start time in clock ticks and the boot id: together they identify the process even after the pid
 is reused, and a reboot is recognised as "lost". How the job ended comes from the supervisor's
 exit_code.json; whether it produced a result comes from the job directory (base.read_outcome).
+
+When the supervisor itself was killed (kill -9), the job's processes keep running. They are found
+by the process group the supervisor recorded in job.json and by the job's environment marker: the
+job stays RUNNING while any of them lives, the server enforces its wall-clock limit, cancel stops
+them, and when they are gone the job directory says how it ended.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -30,11 +36,16 @@ from .base import (
     BackendStatus,
     JobArtifact,
     JobRef,
+    TooLarge,
     check_safe_path,
+    read_json,
     torchrun_argv,
 )
 
+log = logging.getLogger("mcore_advisor.launcher")
+
 SUPERVISOR_LOG = "supervisor.log"
+SMALL_JSON_BYTES = 64 * 1024  # the supervisor's exit_code.json and job.json are a few hundred bytes
 _DEV_GPU_RE = re.compile(r"nvidia\d+")
 
 
@@ -160,10 +171,9 @@ class LocalBackend(Backend):
 
     def _exit_record(self, ref: JobRef) -> dict | None:
         try:
-            data = json.loads((Path(ref.data["job_dir"]) / sv.EXIT_FILE).read_text())
-        except (OSError, ValueError):
-            return None
-        return data if isinstance(data, dict) else None
+            return read_json(Path(ref.data["job_dir"]) / sv.EXIT_FILE, SMALL_JSON_BYTES)
+        except TooLarge:
+            return {"exit_code": None, "error": f"{sv.EXIT_FILE} is not the supervisor's (too large)"}
 
     def status(self, refs: Mapping[str, JobRef]) -> dict[str, BackendStatus]:
         self._reap()
@@ -177,8 +187,68 @@ class LocalBackend(Backend):
                     out[key] = BackendStatus(state="RUNNING", native_state="running", started_at=ref.data.get("started_at"))
                     continue
                 record = self._exit_record(ref)  # it may have finished between the two looks
+                if record is None:
+                    orphan = self._unsupervised(ref)
+                    if orphan is not None:
+                        out[key] = orphan
+                        continue
+                    record = self._exit_record(ref)
             out[key] = self._from_exit_record(ref, record)
         return out
+
+    def _job_processes(self, ref: JobRef) -> list[int]:
+        """Live processes of the job: its recorded process group, and anything carrying its marker."""
+        pids = set(sv.processes_with_env(JOB_ENV_MARKER, str(ref.data["job_id"])))
+        job = self._job_file(ref)
+        if job and sv.is_running(int(job["pid"]), job.get("start_ticks")):
+            pids.add(int(job["pid"]))
+        return sorted(p for p in pids if sv.is_running(p, None))
+
+    def _job_file(self, ref: JobRef) -> dict | None:
+        try:
+            data = read_json(Path(ref.data["job_dir"]) / sv.JOB_FILE, SMALL_JSON_BYTES)
+        except TooLarge:
+            return None
+        return data if data is not None and isinstance(data.get("pid"), int) else None
+
+    def _unsupervised(self, ref: JobRef) -> BackendStatus | None:
+        """The supervisor is gone without an exit record: RUNNING while the job's processes live
+        (the server then enforces the time limit), else None (the exit is decided as 'lost')."""
+        pids = self._job_processes(ref)
+        if not pids:
+            return None
+        started = ref.data.get("started_at")
+        limit_min = ref.data.get("time_limit_min")
+        supervisor = ref.data.get("pid")
+        if started is not None and limit_min is not None and time.time() - float(started) > float(limit_min) * 60.0:
+            self._stop(ref, pids)
+            self._write_exit(ref, {"exit_code": -signal.SIGKILL, "timed_out": True, "cancelled": False, "terminated": True,
+                                   "error": f"the job supervisor (pid {supervisor}) was killed; the server stopped the job "
+                                            f"at its wall-clock limit of {float(limit_min):g} min"})
+            return self._from_exit_record(ref, self._exit_record(ref))
+        return BackendStatus(state="RUNNING", native_state="running (supervisor gone)", started_at=started,
+                             reason=f"the job supervisor (pid {supervisor}) was killed; the job's processes "
+                                    f"({', '.join(map(str, pids[:8]))}) still run and the server watches them")
+
+    def _stop(self, ref: JobRef, pids: list[int]) -> None:
+        """SIGTERM to the job's group and marked processes, SIGKILL to whatever is left after cancel_wait_s."""
+        job = self._job_file(ref)
+        if job and sv.is_running(int(job["pid"]), job.get("start_ticks")):
+            sv.signal_group(int(job.get("pgid", job["pid"])), signal.SIGTERM)
+        sv.signal_all(pids, signal.SIGTERM)
+        deadline = time.monotonic() + self.cancel_wait_s
+        while time.monotonic() < deadline and self._job_processes(ref):
+            time.sleep(0.02)
+        sv.signal_all(self._job_processes(ref), signal.SIGKILL)
+
+    def _write_exit(self, ref: JobRef, record: dict) -> None:
+        """The exit record the killed supervisor could not write, so every later poll agrees."""
+        now = time.time()
+        try:
+            sv.write_json_atomic(Path(ref.data["job_dir"]) / sv.EXIT_FILE,
+                                 {"started_at": ref.data.get("started_at"), "ended_at": now, **record})
+        except OSError as exc:
+            log.warning("cannot write the exit record of job %s: %s", ref.data.get("job_id"), exc)
 
     def _from_exit_record(self, ref: JobRef, record: dict | None) -> BackendStatus:
         pid = ref.data.get("pid")
@@ -194,7 +264,9 @@ class LocalBackend(Backend):
         common = {"exit_code": code, "started_at": record.get("started_at"), "ended_at": record.get("ended_at")}
         if record.get("timed_out"):
             limit = ref.data.get("time_limit_min")
-            return BackendStatus(state="TIMEOUT", native_state="timeout", reason=f"wall-clock limit of {limit} min reached", **common)
+            reason = record.get("error") or (f"wall-clock limit of {limit:g} min reached" if isinstance(limit, int | float)
+                                             else "wall-clock limit reached")
+            return BackendStatus(state="TIMEOUT", native_state="timeout", reason=reason, **common)
         if record.get("cancelled"):
             return BackendStatus(state="CANCELLED", native_state="cancelled", reason="cancelled by request", **common)
         if code == 0:
@@ -236,6 +308,9 @@ class LocalBackend(Backend):
                 time.sleep(0.02)
             if self._alive(ref) or self._exit_record(ref) is not None:
                 return  # stopped cleanly, or still stopping: the supervisor escalates on its own
-        # Supervisor gone without a record: kill whatever of the job still runs, found by its marker.
-        sv.signal_all(sv.processes_with_env(JOB_ENV_MARKER, str(ref.data["job_id"])), signal.SIGKILL)
+        # Supervisor gone without a record (killed): stop the job it left behind, record the cancel as it would have.
+        pids = self._job_processes(ref)
+        if pids:
+            self._stop(ref, pids)
+            self._write_exit(ref, {"exit_code": None, "timed_out": False, "cancelled": True, "terminated": True})
         self._reap()

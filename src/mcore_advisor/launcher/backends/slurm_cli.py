@@ -3,6 +3,10 @@
 Every call is an argv list (no shell). State comes from squeue while slurmctld still holds the
 job (it keeps finished jobs for MinJobAge, 300 s by default), then from sacct when accounting is
 configured, and finally from the job directory (result.json / error.json).
+
+A controller that does not answer (down, or slower than `timeout_s`) makes queries and scancel
+retry a bounded number of times and then raise BackendUnavailable: the job's state is unknown,
+not failed. sbatch is never retried: a submit that timed out may have been accepted.
 """
 
 from __future__ import annotations
@@ -13,7 +17,17 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .base import STDERR_FILE, STDOUT_FILE, Backend, BackendError, BackendStatus, JobArtifact, JobRef
+from .base import (
+    STDERR_FILE,
+    STDOUT_FILE,
+    Backend,
+    BackendError,
+    BackendStatus,
+    BackendUnavailable,
+    JobArtifact,
+    JobRef,
+    retrying,
+)
 from .slurm_common import (
     BATCH_SCRIPT,
     batch_script,
@@ -23,7 +37,14 @@ from .slurm_common import (
     unknown_job_status,
 )
 
-_TIMEOUT_S = 60.0
+SUBMIT_TIMEOUT_S = 60.0
+QUERY_TIMEOUT_S = 10.0  # Slurm's own MessageTimeout default: a healthy controller answers well within it
+QUERY_ATTEMPTS = 2
+RETRY_WAIT_S = 1.0
+# What the Slurm client tools print when slurmctld is down or too busy to answer (slurm_errno.h texts).
+_UNAVAILABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused", "Connection timed out",
+                "Zero Bytes were transmitted", "backup controller in standby mode", "Transport endpoint is not connected",
+                "Resource temporarily unavailable")
 
 
 def sbatch_options(artifact: JobArtifact) -> list[str]:
@@ -53,9 +74,13 @@ class SlurmCliBackend(Backend):
     name = "slurm"
     option_prefix = "slurm_"
 
-    def __init__(self, *, bin_dir: str | None = None, env: Mapping[str, str] | None = None):
+    def __init__(self, *, bin_dir: str | None = None, env: Mapping[str, str] | None = None,
+                 timeout_s: float = QUERY_TIMEOUT_S, attempts: int = QUERY_ATTEMPTS, retry_wait_s: float = RETRY_WAIT_S):
         self.bin_dir = bin_dir
         self.env = dict(env) if env is not None else None
+        self.timeout_s = timeout_s
+        self.attempts = attempts
+        self.retry_wait_s = retry_wait_s
 
     def _tool(self, name: str) -> str:
         if self.bin_dir:
@@ -65,18 +90,27 @@ class SlurmCliBackend(Backend):
             raise BackendError(f"backend 'slurm': `{name}` is not on PATH; install the Slurm client tools or use backend='slurm_rest'")
         return found
 
-    def _run(self, argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def _run(self, argv: Sequence[str], *, check: bool = True, timeout_s: float | None = None) -> subprocess.CompletedProcess[str]:
+        name = Path(argv[0]).name
+        limit = timeout_s or self.timeout_s
         try:
             proc = subprocess.run(
-                list(argv), capture_output=True, text=True, timeout=_TIMEOUT_S,
+                list(argv), capture_output=True, text=True, timeout=limit,
                 env={**os.environ, **self.env} if self.env is not None else None,
             )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise BackendError(f"backend 'slurm': running {Path(argv[0]).name} failed: {exc}") from exc
+        except subprocess.TimeoutExpired as exc:
+            raise BackendUnavailable(f"backend 'slurm': {name} did not answer within {limit:g} s (slurmctld down or overloaded?)") from exc
+        except OSError as exc:
+            raise BackendError(f"backend 'slurm': running {name} failed: {exc}") from exc
+        msg = " ".join((proc.stderr or proc.stdout).strip().splitlines())[-500:]
+        if proc.returncode != 0 and any(word in msg for word in _UNAVAILABLE):
+            raise BackendUnavailable(f"backend 'slurm': {name}: {msg}")
         if check and proc.returncode != 0:
-            msg = (proc.stderr or proc.stdout).strip().splitlines()
-            raise BackendError(f"backend 'slurm': {Path(argv[0]).name} failed: {' '.join(msg)[-500:]}")
+            raise BackendError(f"backend 'slurm': {name} failed: {msg}")
         return proc
+
+    def _retrying(self, call, what: str):
+        return retrying(call, attempts=self.attempts, wait_s=self.retry_wait_s, what=what)
 
     def check(self, artifact: JobArtifact) -> None:
         super().check(artifact)
@@ -91,7 +125,11 @@ class SlurmCliBackend(Backend):
         script_path = artifact.job_dir / BATCH_SCRIPT
         script_path.write_text(script or "")
         script_path.chmod(0o700)
-        proc = self._run([self._tool("sbatch"), *argv[1:]])
+        try:
+            proc = self._run([self._tool("sbatch"), *argv[1:]], timeout_s=SUBMIT_TIMEOUT_S)
+        except BackendUnavailable as exc:
+            raise BackendUnavailable(f"{exc}; it may have been accepted anyway: check `squeue --name={artifact.name}` "
+                                     "and scancel a job this left behind") from exc
         # --parsable prints "jobid" or "jobid;cluster".
         native = proc.stdout.strip().splitlines()[-1].split(";")[0] if proc.stdout.strip() else ""
         if not native.isdigit():
@@ -101,6 +139,9 @@ class SlurmCliBackend(Backend):
     def status(self, refs: Mapping[str, JobRef]) -> dict[str, BackendStatus]:
         if not refs:
             return {}
+        return self._retrying(lambda: self._status(refs), "squeue/sacct")
+
+    def _status(self, refs: Mapping[str, JobRef]) -> dict[str, BackendStatus]:
         by_native = {ref.native_id: key for key, ref in refs.items()}
         found: dict[str, BackendStatus] = {}
         found.update(self._squeue(list(by_native)))
@@ -172,7 +213,8 @@ class SlurmCliBackend(Backend):
         return out
 
     def cancel(self, ref: JobRef) -> None:
-        self._run([self._tool("scancel"), ref.native_id])
+        # scancel of an already-ended job is harmless, so a retry is safe.
+        self._retrying(lambda: self._run([self._tool("scancel"), ref.native_id]), "scancel")
 
 
 def _reason(native: str | None, reason: str | None) -> str | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mcore_advisor import __version__
 
+from ..store import quote
 from .base import (
     JOB_ENV_MARKER,
     BackendStatus,
@@ -83,11 +84,11 @@ def check_slurm_artifact(artifact: JobArtifact) -> None:
     check_safe_path(artifact.job_dir, "job_dir")
     if "%" in str(artifact.job_dir):
         # sbatch expands %j, %x, ... in --output/--error paths.
-        raise ValueError(f"job_dir: {str(artifact.job_dir)!r} contains '%', which Slurm treats as a filename pattern; "
+        raise ValueError(f"job_dir: {quote(str(artifact.job_dir), 200)} contains '%', which Slurm treats as a filename pattern; "
                          "set MCORE_ADVISOR_STATE_DIR to a path without '%'")
     for key in artifact.env:
         if not _ENV_NAME_RE.fullmatch(key):
-            raise ValueError(f"env: {key!r} is not a valid environment variable name")
+            raise ValueError(f"env: {quote(key)} is not a valid environment variable name")
 
 
 def job_environment(artifact: JobArtifact) -> dict[str, str]:

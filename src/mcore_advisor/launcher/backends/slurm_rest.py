@@ -13,6 +13,10 @@ hard-coded. Request shapes are those verified against Slurm 22.05.8 / openapi v0
 int, `gpus_per_node` a string, `tasks = nodes * tasks_per_node`. For newer plugins the two known
 shape changes are applied (environment as a list of NAME=value from v0.0.39; numbers as
 {set, infinite, number} from v0.0.40); those are not verified against a live daemon here.
+
+slurmrestd unreachable or slow, or slurmctld behind it not answering, makes reads and cancels
+retry a bounded number of times and then raise BackendUnavailable (state unknown, not failed).
+A submit is retried only when the connection was never made (nothing can have been sent).
 """
 
 from __future__ import annotations
@@ -28,7 +32,18 @@ from typing import Any
 
 import httpx
 
-from .base import STDERR_FILE, STDOUT_FILE, Backend, BackendError, BackendStatus, JobArtifact, JobRef
+from ..store import quote
+from .base import (
+    STDERR_FILE,
+    STDOUT_FILE,
+    Backend,
+    BackendError,
+    BackendStatus,
+    BackendUnavailable,
+    JobArtifact,
+    JobRef,
+    retrying,
+)
 from .slurm_common import (
     BATCH_SCRIPT,
     batch_script,
@@ -41,6 +56,10 @@ from .slurm_common import (
 DEFAULT_URL = "http://127.0.0.1:6820"
 PREFERRED_VERSION = "v0.0.38"  # Slurm 22.05: the shapes below were verified against it
 TOKEN_LIFESPAN_S = 3600
+TIMEOUT_S = 10.0  # slurmrestd waits for slurmctld up to its MessageTimeout (10 s by default), then answers
+ATTEMPTS = 2
+RETRY_WAIT_S = 1.0
+ESLURM_INVALID_JOB_ID = 2017  # slurm_errno.h: the job is not (or no longer) known to slurmctld
 # Passed to the job so `python`, `srun` and friends resolve; nothing secret (no tokens).
 _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "SLURM_CONF", "VIRTUAL_ENV")
 
@@ -60,8 +79,10 @@ class SlurmRestBackend(Backend):
         user: str | None = None,
         token: str | None = None,
         version: str | None = None,
-        timeout_s: float = 30.0,
+        timeout_s: float = TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
+        attempts: int = ATTEMPTS,
+        retry_wait_s: float = RETRY_WAIT_S,
     ):
         self.url = url
         self.user = user or getpass.getuser()
@@ -69,12 +90,14 @@ class SlurmRestBackend(Backend):
         self._token_minted = False
         self._version = version
         self.timeout_s = timeout_s
+        self.attempts = attempts
+        self.retry_wait_s = retry_wait_s
         self._transport = transport
         self.unix_socket: str | None = None
         if url.startswith("unix:"):
             self.unix_socket = url[len("unix:"):].removeprefix("//")
         elif not url.startswith(("http://", "https://")):
-            raise ValueError(f"SLURM_REST_URL: {url!r} must start with http://, https:// or unix:")
+            raise ValueError(f"SLURM_REST_URL: {quote(url, 200)} must start with http://, https:// or unix:")
 
     @classmethod
     def from_env(cls) -> SlurmRestBackend:
@@ -121,8 +144,12 @@ class SlurmRestBackend(Backend):
         try:
             with self._client() as client:
                 resp = client.request(method, path, json=json)
+        except (httpx.TimeoutException, httpx.NetworkError) as exc:
+            raise BackendUnavailable(f"backend 'slurm_rest': cannot reach slurmrestd at {self.url}: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:
             raise BackendError(f"backend 'slurm_rest': cannot reach slurmrestd at {self.url}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code in (502, 503, 504):
+            raise BackendUnavailable(f"backend 'slurm_rest': slurmrestd at {self.url} answered HTTP {resp.status_code}")
         try:
             body = resp.json()
         except ValueError:
@@ -156,20 +183,26 @@ class SlurmRestBackend(Backend):
             str(e.get("description") or e.get("error") or e.get("error_number") or e) for e in errs
         )
 
+    def _retrying(self, call, what: str):
+        return retrying(call, attempts=self.attempts, wait_s=self.retry_wait_s, what=what)
+
     def version(self) -> str:
         if self._version is None:
-            status, spec = self._request("GET", "/openapi/v3")
-            if status != 200:
-                status, spec = self._request("GET", "/openapi")
-            paths = spec.get("paths") or {}
-            served = sorted({p.split("/")[2] for p in paths if p.startswith("/slurm/v")}, key=_version_key)
-            if not served:
-                raise BackendError(f"backend 'slurm_rest': {self.url} serves no /slurm/vX.Y.Z API (HTTP {status})")
-            usable = [v for v in served if _version_key(v) >= _version_key(PREFERRED_VERSION)]
-            if not usable:
-                raise BackendError(f"backend 'slurm_rest': {self.url} serves only {', '.join(served)}; need {PREFERRED_VERSION} or newer")
-            self._version = PREFERRED_VERSION if PREFERRED_VERSION in usable else usable[-1]
+            self._version = self._retrying(self._discover_version, "GET /openapi")
         return self._version
+
+    def _discover_version(self) -> str:
+        status, spec = self._request("GET", "/openapi/v3")
+        if status != 200:
+            status, spec = self._request("GET", "/openapi")
+        paths = spec.get("paths") or {}
+        served = sorted({p.split("/")[2] for p in paths if p.startswith("/slurm/v")}, key=_version_key)
+        if not served:
+            raise BackendError(f"backend 'slurm_rest': {self.url} serves no /slurm/vX.Y.Z API (HTTP {status})")
+        usable = [v for v in served if _version_key(v) >= _version_key(PREFERRED_VERSION)]
+        if not usable:
+            raise BackendError(f"backend 'slurm_rest': {self.url} serves only {', '.join(served)}; need {PREFERRED_VERSION} or newer")
+        return PREFERRED_VERSION if PREFERRED_VERSION in usable else usable[-1]
 
     # -- Backend -----------------------------------------------------------------------------
 
@@ -214,7 +247,13 @@ class SlurmRestBackend(Backend):
         v = self.version()
         body = self.job_request(artifact, v)
         (artifact.job_dir / BATCH_SCRIPT).write_text(body["script"])
-        status, resp = self._request("POST", f"/slurm/{v}/job/submit", json=body)
+        try:
+            status, resp = self._request("POST", f"/slurm/{v}/job/submit", json=body)
+        except BackendUnavailable as exc:
+            if isinstance(exc.__cause__, httpx.ConnectError):
+                raise  # never connected: nothing was submitted
+            raise BackendUnavailable(f"{exc}; the job may have been accepted anyway: check `squeue --name={artifact.name}` "
+                                     "and scancel a job this left behind") from exc
         job_id = resp.get("job_id")
         if status != 200 or job_id is None or self._errors(resp):
             raise BackendError(f"backend 'slurm_rest': submit refused (HTTP {status}): {self._errors(resp) or 'no job id returned'}")
@@ -227,7 +266,7 @@ class SlurmRestBackend(Backend):
         v = self.version()
         out: dict[str, BackendStatus] = {}
         for key, ref in refs.items():
-            st = self._job_status(v, ref.native_id)
+            st = self._retrying(lambda ref=ref: self._job_status(v, ref.native_id), f"GET job {ref.native_id}")
             out[key] = st if st is not None else unknown_job_status(ref.native_id, Path(ref.data["job_dir"]))
         return out
 
@@ -236,9 +275,11 @@ class SlurmRestBackend(Backend):
         jobs = body.get("jobs") or []
         if status == 200 and jobs:
             return self._from_job(jobs[0])
-        errors = self._errors(body).lower()
-        if status not in (200, 404) and "invalid job id" not in errors and "not found" not in errors:
-            raise BackendError(f"backend 'slurm_rest': job {native_id} query failed (HTTP {status}): {errors[:300]}")
+        if status != 404 and not _invalid_job_id(body):
+            # 22.05 answers a slurmctld that does not respond with HTTP 500 and error_number -1 ("Unable
+            # to find JobId=N", the same words as for a purged job): only the number tells them apart.
+            raise BackendUnavailable(f"backend 'slurm_rest': job {native_id} query failed (HTTP {status}): "
+                                     f"{self._errors(body)[:300] or 'no error text'}")
         return self._from_slurmdb(v, native_id)
 
     def _from_slurmdb(self, v: str, native_id: str) -> BackendStatus | None:
@@ -281,11 +322,20 @@ class SlurmRestBackend(Backend):
 
     def cancel(self, ref: JobRef) -> None:
         v = self.version()
-        status, body = self._request("DELETE", f"/slurm/{v}/job/{ref.native_id}")
+        status, body = self._retrying(lambda: self._request("DELETE", f"/slurm/{v}/job/{ref.native_id}"), "DELETE job")
         if status != 200 or self._errors(body):
             raise BackendError(f"backend 'slurm_rest': cancel of job {ref.native_id} failed (HTTP {status}): {self._errors(body)}")
         # slurmctld applies the signal asynchronously; give it a moment so the next poll sees CANCELLED.
         time.sleep(0.2)
+
+
+def _invalid_job_id(body: dict[str, Any]) -> bool:
+    """slurmctld itself said the job id is unknown (ESLURM_INVALID_JOB_ID)."""
+    for e in body.get("errors") or []:
+        if isinstance(e, dict) and (e.get("error_number") == ESLURM_INVALID_JOB_ID
+                                    or "invalid job id" in str(e.get("error", "")).lower()):
+            return True
+    return False
 
 
 def _number(value: Any) -> Any:

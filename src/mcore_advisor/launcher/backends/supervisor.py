@@ -1,9 +1,12 @@
 """The detached supervisor of one local job: `python supervisor.py JOB_DIR`.
 
 Runs as its own session leader (the local backend starts it with start_new_session), so it
-outlives the MCP server. It starts the job command from JOB_DIR/launch.json, enforces the
-wall-clock limit, turns SIGTERM (cancel) into an orderly stop, and finally writes
-JOB_DIR/exit_code.json atomically. That file is how a restarted server learns how the job ended.
+outlives the MCP server. It starts the job command from JOB_DIR/launch.json in a session and
+process group of its own, records that group in JOB_DIR/job.json at once, enforces the wall-clock
+limit, turns SIGTERM (cancel) into an orderly stop, and finally writes JOB_DIR/exit_code.json
+atomically. That file is how a restarted server learns how the job ended; job.json is how the
+server still reaches the job when the supervisor itself was killed (kill -9 leaves its children
+running: they are re-parented, not signalled).
 
 Why the process-tree care: torchrun starts every worker in a new session
 (torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py, `_popen`:
@@ -28,6 +31,7 @@ from pathlib import Path
 
 LAUNCH_FILE = "launch.json"
 EXIT_FILE = "exit_code.json"
+JOB_FILE = "job.json"  # {"pid", "pgid", "start_ticks"} of the job command, written once it started
 CANCEL_FILE = "cancel_requested"
 POLL_FAST_S = 0.05  # first seconds: short test jobs and quick failures end promptly
 POLL_SLOW_S = 0.25
@@ -113,10 +117,17 @@ def signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 # ---- the supervisor ------------------------------------------------------------------------
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("w") as fh:
         json.dump(data, fh)
@@ -156,15 +167,22 @@ def supervise(job_dir: Path) -> int:
     t0 = time.monotonic()
     with open(job_dir / launch["stdout"], "ab") as out, open(job_dir / launch["stderr"], "ab") as err:
         try:
-            child = subprocess.Popen(command, cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+            # Its own session: one killpg reaches the command and its plain children, and the group
+            # outlives a killed supervisor (torchrun's workers have sessions of their own; the job's
+            # environment marker finds those).
+            child = subprocess.Popen(command, cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                     start_new_session=True)
         except OSError as exc:
             err.write(f"mcore-advisor supervisor: cannot start {command[0]!r}: {exc}\n".encode())
-            _write_json_atomic(job_dir / EXIT_FILE, {
+            write_json_atomic(job_dir / EXIT_FILE, {
                 "exit_code": 127, "timed_out": False, "cancelled": (job_dir / CANCEL_FILE).exists(),
                 "started_at": started_at, "ended_at": time.time(), "error": f"cannot start: {exc}",
             })
             return 127
 
+    stat = proc_stat(child.pid)
+    write_json_atomic(job_dir / JOB_FILE, {"pid": child.pid, "pgid": child.pid,
+                                            "start_ticks": stat["start_ticks"] if stat else None})
     returncode: int | None = None
     timed_out = False
     term_sent_at: float | None = None
@@ -197,13 +215,13 @@ def supervise(job_dir: Path) -> int:
                 timed_out = stop.requested_at is None
                 term_sent_at = now
                 # torchrun forwards SIGTERM to its workers and waits for them.
-                signal_all([child.pid], signal.SIGTERM)
+                signal_group(child.pid, signal.SIGTERM)
             elif term_sent_at is not None and not killed and now - term_sent_at > grace_s:
                 killed = True
                 signal_all([*descendants(os.getpid())], signal.SIGKILL)
         time.sleep(POLL_FAST_S if now - t0 < 5.0 else POLL_SLOW_S)
 
-    _write_json_atomic(job_dir / EXIT_FILE, {
+    write_json_atomic(job_dir / EXIT_FILE, {
         "exit_code": returncode,
         "timed_out": timed_out,
         "cancelled": (job_dir / CANCEL_FILE).exists() and not timed_out,
