@@ -33,7 +33,7 @@ records: list[dict] = []
 
 
 def emit(**kw):
-    kw = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in kw.items()}
+    kw = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in kw.items()}  # 4 significant digits: kernel times are ~1e-5 s
     records.append(kw)
     print(json.dumps(kw), flush=True)
 

@@ -96,7 +96,7 @@ def run_fuzz(per_tool: int) -> list[str]:
             if len(seen) > FAILURES_SHOWN:
                 details.append(f"- {r.tool}: ... {len(seen) - FAILURES_SHOWN} more distinct failure reasons")
     lines.append(f"{'all tools':24} {total['tried']:7,} {total['rejected']:8,} {total['tried'] - total['rejected']:8,} "
-                 f"{total['failures']:8,}")
+                 f"{total['failures']:8,}   (host load average {os.getloadavg()[0]:.1f} at the end)")
     lines += ["", "failures (one input per distinct reason):" if details else "failures: none", *details, ""]
     return lines
 
@@ -141,6 +141,7 @@ def run_load(calls_n: int, big_logs: int) -> list[str]:
         proc, url = common.serve_http(Path(tmp))
         try:
             common.wait_http(url, proc)
+            load_before = os.getloadavg()[0]
             rss_start = common.rss_mb(proc.pid)
             calls = load.call_mix(calls_n, big_logs, load.big_log())
             expected = anyio.run(load.expected_answers, url, calls)
@@ -155,7 +156,7 @@ def run_load(calls_n: int, big_logs: int) -> list[str]:
         f"## Load: {calls_n} concurrent mixed calls over streamable HTTP on 127.0.0.1 (4 sessions), {big_logs} of them "
         "check_mfu on a 10 MB Megatron log; each answer compared with the same call made alone",
         f"requests {r.requests}, failures {len(r.failures)}, p50 {r.pct(0.5):.2f} s, p99 {r.pct(0.99):.2f} s, "
-        f"all answered in {r.wall_s:.1f} s",
+        f"all answered in {r.wall_s:.1f} s (host load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)",
         *per_tool,
         f"server RSS: {rss_start:.0f} MB at start, {rss_warm:.0f} MB after each call once, {rss_after:.0f} MB after the load",
         f"cheap call (evaluate_plan) median {load.median(alone) * 1000:.0f} ms alone, {load.median(during) * 1000:.0f} ms "
@@ -185,22 +186,53 @@ def run_pytest(title: str, test_file: str) -> list[str]:
     return [*lines, ""]
 
 
+SECTIONS = ("injection", "http", "load", "faults", "fuzz")
+
+
+def section(name: str, a: argparse.Namespace) -> list[str]:
+    if name == "injection":
+        return run_injection()
+    if name == "http":
+        return run_pytest("## HTTP transport (tests/reliability/test_http.py against `mcore-advisor serve --http` processes)", "test_http.py")
+    if name == "load":
+        return run_load(a.load_calls, a.big_logs)
+    if name == "faults":
+        return run_pytest("## Faults of the job system (tests/reliability/test_faults.py): each with its final state", "test_faults.py")
+    return run_fuzz(a.fuzz_per_tool)
+
+
+def merge(old: str, name: str, new: list[str]) -> str:
+    """`old` (a previous results file) with the section of that name replaced by `new`."""
+    blocks = old.split("\n## ")
+    titles = {"injection": "Injection", "http": "HTTP transport", "load": "Load", "faults": "Faults", "fuzz": "Fuzzing"}
+    body = "\n".join(new).removeprefix("## ")
+    for i, block in enumerate(blocks):
+        if i and block.startswith(titles[name]):
+            blocks[i] = body.rstrip("\n") + ("\n" if i < len(blocks) - 1 else "")
+    return "\n## ".join(blocks)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fuzz-per-tool", type=int, default=5000)
     ap.add_argument("--load-calls", type=int, default=200)
     ap.add_argument("--big-logs", type=int, default=50)
+    ap.add_argument("--only", choices=SECTIONS, action="append",
+                    help="rerun only these sections and replace them in the existing results file")
     a = ap.parse_args()
     logging.getLogger("mcp").setLevel(logging.CRITICAL)  # the SDK logs every rejected call
-    out = header()
     t0 = time.monotonic()
-    out += run_injection()
-    print("\n".join(out), flush=True)
-    out += run_pytest("## HTTP transport (tests/reliability/test_http.py against `mcore-advisor serve --http` processes)", "test_http.py")
-    out += run_load(a.load_calls, a.big_logs)
-    out += run_pytest("## Faults of the job system (tests/reliability/test_faults.py): each with its final state", "test_faults.py")
-    print("\n".join(out[-40:]), flush=True)
-    out += run_fuzz(a.fuzz_per_tool)
+    if a.only:
+        text = OUT.read_text()
+        for name in a.only:
+            text = merge(text, name, [*section(name, a), f"(section rerun {time.strftime('%Y-%m-%d %H:%M:%S %Z')})", ""])
+        OUT.write_text(text)
+        print(text)
+        return
+    out = header()
+    for name in SECTIONS:
+        out += section(name, a)
+        print("\n".join(out), flush=True)
     out.append(f"total run time {time.monotonic() - t0:.0f} s")
     OUT.write_text("\n".join(out) + "\n")
     print("\n".join(out))

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu/multi_gpu.sh all         # the call that carries the last part, .whl and .whl2
 #   bash benchmarks/gpu/multi_gpu.sh more        # a later call on the same warm machine: what `all` left
 # `all` (MULTI_BUDGET_S seconds, default 560, of which the last ~130 are kept for the one-GPU rows):
-#   1. run_all.sh setup; Transformer Engine built in the background on all but 4 CPU cores, while the
+#   1. run_all.sh part (the last part) and setup; Transformer Engine built in the background on all but 4 CPU cores, while the
 #      NCCL probe (benchmarks/nccl_probe.py, all GPUs) and the env stage (per-GPU matmul) run on those 4;
 #   2. the 'multi' rows of benchmarks/gpu/specs_multi.jsonl (configs_multi.py) on all N GPUs, in order,
 #      until the deadline (runner.py);
@@ -92,6 +92,7 @@ case ${1:-} in
   part) bash $HERE/run_all.sh part ;;
   all)
     mkdir -p "$OUT/misc"
+    bash $HERE/run_all.sh part  # the last part travels with this call (a first lease missed it: md5 mismatch, no TE)
     run_all setup
     probes_during_build
     real_rows

@@ -249,19 +249,24 @@ def test_non_text_input_is_rejected_with_the_field_name():
         parse_log(12345)  # type: ignore[arg-type]
 
 
-def test_the_profile_jobs_own_train_log_lines_parse_like_megatrons():
-    # launcher/entry/trainlog.py writes Megatron's training_log / report_memory lines for our profile job;
-    # check_mfu must read them back exactly.
-    from datetime import datetime
+def test_the_profile_job_and_check_mfu_read_megatrons_lines_alike():
+    # The job (launcher/entry/trainlog.py, no pydantic) copies Megatron's own training_log and
+    # report_memory lines into result.json; check_mfu's parser must read the same figures from them.
+    from mcore_advisor.launcher.entry import trainlog
 
-    from mcore_advisor.launcher.entry.trainlog import iteration_line, memory_line
-
-    line = iteration_line(when=datetime(2026, 1, 1), iteration=20, train_iters=100, consumed_samples=640, elapsed_ms=1169.0,
-                          tflops_per_gpu=462.8, learning_rate=3e-4, global_batch_size=32, losses={"lm loss": 6.5}, grad_norm=1.0)
-    r = parse_log(line + "\n" + memory_line(3, 20, 1024.0, 2048.0, 3072.0, 4096.0) + "\n")
-    it = r.iterations[0]
-    assert (it.iteration, it.elapsed_time_per_iteration_ms, it.throughput_tflops_per_gpu, it.losses) == (20, 1169.0, 462.8, {"lm loss": 6.5})
-    assert r.memory_reports[0].rank == 3 and r.memory_reports[0].max_reserved_gib == 4.0
+    lines = _log("megatron_0_19_gpt1p3b_te_mbs4_h200.log").splitlines()
+    its = [(trainlog.parse_iteration_line(ln), parse_megatron_iteration_line(ln)) for ln in lines]
+    its = [(a, b) for a, b in its if a is not None]
+    assert its, "the fixture has Megatron iteration lines"
+    for job, ours in its:
+        assert job["iteration"] == ours.iteration
+        assert job["elapsed_ms"] == ours.elapsed_time_per_iteration_ms
+        assert job["tflops_per_gpu"] == ours.throughput_tflops_per_gpu
+    line = trainlog.memory_line(3, 20, 1024.0, 2048.0, 3072.0, 4096.0)
+    job = trainlog.parse_memory_line(line)
+    r = parse_log(line + "\n").memory_reports[0]
+    assert (r.rank, r.after_iterations) == (job["rank"], job["iteration"]) == (3, 20)
+    assert r.max_reserved_gib == job["max_reserved_mb"] / 1024 == 4.0
 
 
 @pytest.mark.parametrize("prefix", [

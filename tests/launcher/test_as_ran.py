@@ -16,7 +16,7 @@ PLAN = Plan(model=ModelSpec(name="gpt3-1.3b"), cluster=ClusterSpec(gpu="h200", n
 #: what entry/profile.py records of Megatron's arguments for PLAN run as rendered on a TE machine without Apex
 AS_RENDERED = {"transformer_impl": "transformer_engine",
                "settings": {"attention_backend": "AttnBackend.auto", "gradient_accumulation_fusion": False,
-                            "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native",
+                            "cross_entropy_loss_fusion": False, "cross_entropy_fusion_impl": "native",
                             "moe_grouped_gemm": False, "grad_reduce_in_bf16": False}}
 
 

@@ -48,6 +48,10 @@ def test_without_te_the_te_choices_fall_back_to_megatrons_local_ones_and_each_ch
     assert A.value(out, "--distributed-backend") == "gloo"
     assert A.values(out, "--no-persist-layer-norm") == []  # torch norms have no persistent kernel (no Apex)
     assert all(a.why for a in adj)
+    snap = A.for_machine([*_argv(), "--record-memory-history"], CPU, "/o")[0]
+    assert A.values(snap, "--record-memory-history") is None and A.values(snap, "--memory-snapshot-path") is None
+    gpu = A.for_machine([*_argv(), "--record-memory-history"], GPU_TE, "/o")[0]
+    assert A.value(gpu, "--memory-snapshot-path") == "/o/memory_snapshot.pickle"
 
 
 def test_fp8_without_transformer_engine_is_refused_naming_the_plan_field():

@@ -19,6 +19,7 @@ pytest.importorskip("torch")
 pytest.importorskip("megatron.training")
 
 from mcore_advisor.launcher.entry import argv as A  # noqa: E402
+from mcore_advisor.launcher.entry import result as result_contract  # noqa: E402
 from mcore_advisor.launcher.entry.trainlog import parse_iteration_line, parse_memory_line  # noqa: E402
 from mcore_advisor.launcher.spec import job_spec  # noqa: E402
 from mcore_advisor.schemas import Plan  # noqa: E402
@@ -48,7 +49,9 @@ def _plan(gpus: int = 1, **kw) -> Plan:
 def _ok(proc, out: Path) -> dict:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert not (out / "error.json").exists()
-    return json.loads((out / "result.json").read_text())
+    result = json.loads((out / "result.json").read_text())
+    assert result_contract.check(result) == []  # what get_job reads (launcher/entry/result.py)
+    return result
 
 
 def test_a_tiny_gpt_trains_in_megatrons_own_loop_and_the_result_reads_megatrons_lines(tmp_path):

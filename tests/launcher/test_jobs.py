@@ -297,10 +297,15 @@ def test_reattach_marks_a_job_whose_process_vanished_without_result_as_lost(tmp_
     assert summary.error.startswith(f"lost: process {ref['pid']} exited without result")
 
 
-def test_predicted_and_measured_figures_are_found_in_nested_results():
-    pred = predicted_figures({"perf": {"iteration_time_s": 4.0, "tokens_per_s_per_gpu": 90.0}, "memory": {"peak_allocated_gib": 10}})
+def test_predicted_and_measured_figures_are_read_by_name_from_their_typed_places():
+    # evaluate_plan's sections (Evaluation.performance / .memory) and result.json's keys (entry/result.py)
+    pred = predicted_figures({"performance": {"iteration_time_s": 4.0, "tokens_per_s_per_gpu": 90.0},
+                              "memory": {"peak_allocated_gib": 10}})
     assert (pred.iteration_time_s, pred.tokens_per_s_per_gpu, pred.peak_allocated_gib) == (4.0, 90.0, 10.0)
-    rows = {c.figure: c for c in compare({"iter_s": 5.0, "peak_allocated_gib": {"0": 8.0, "1": 12.5}}, pred)}
+    assert pred.tflops_per_gpu_causal is None
+    # a figure under another section's name is not picked up by guessing
+    assert predicted_figures({"perf": {"iteration_time_s": 4.0}}).iteration_time_s is None
+    rows = {c.figure: c for c in compare({"iter_s": 5.0, "peak_allocated_gib": [8.0, 12.5]}, pred)}
     assert rows["iteration_time_s"].error_pct == pytest.approx(-20.0)  # (4 - 5) / 5
     assert rows["peak_allocated_gib"].measured == 12.5
     assert rows["tokens_per_s_per_gpu"].error_pct is None  # not measured: no error figure invented

@@ -10,7 +10,7 @@ from mcore_advisor.schemas import Plan
 def _plan(first=None, last=None) -> Plan:
     return Plan.model_validate({
         "model": {"name": "llama3-8b"},
-        "cluster": {"gpu": "h100-sxm", "num_gpus": 8},
+        "cluster": {"gpu": "h100-sxm", "num_gpus": 8, "host_floor_ms_per_layer": 0},  # the GPU pipeline alone
         "training": {"seq_length": 4096, "global_batch_size": 64, "micro_batch_size": 1},
         "parallelism": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4, "sequence_parallel": True,
                         "decoder_first_pipeline_num_layers": first, "decoder_last_pipeline_num_layers": last},

@@ -196,3 +196,12 @@ def test_te_cross_entropy_needs_the_transformer_engine_spec(kit):
     assert f.severity == "error" and "implementation.cross_entropy_fusion_impl" in f.fields
     ok = kit.plan(implementation={"cross_entropy_fusion_impl": "te"})
     assert "te_cross_entropy_needs_transformer_engine" not in [x.code for x in validate(ok)]
+
+
+def test_fused_te_cross_entropy_is_refused_as_megatron_lm_refuses_it(kit):
+    # megatron/training/arguments.py (core_r0.19) asserts against this pair before any training.
+    bad = kit.plan(implementation={"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"})
+    f = [x for x in validate(bad) if x.code == "te_cross_entropy_fusion_refused_by_megatron"]
+    assert f and f[0].severity == "error" and "native" in f[0].fix
+    ok = kit.plan(implementation={"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native"})
+    assert "te_cross_entropy_fusion_refused_by_megatron" not in {x.code for x in validate(ok)}

@@ -53,16 +53,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mcore_advisor.schemas import (
-    ClusterSpec,
-    ImplementationSpec,
-    ModelSpec,
-    ParallelismSpec,
-    Plan,
-    TrainingSpec,
-)
+from mcore_advisor.knowledge import megatron_flags
+from mcore_advisor.schemas import Plan
 
 _RESULT = ConfigDict(frozen=True)
 
@@ -1142,89 +1136,19 @@ def parse_log(
 # ---------------------------------------------------------------------------------------------
 
 
-def _arg(args: dict[str, str], key: str) -> str | None:
-    v = args.get(key)
-    if v is None or v in ("None", ""):
-        return None
-    return v
-
-
-def _arg_int(args: dict[str, str], key: str) -> int | None:
-    v = _arg(args, key)
-    if v is None:
-        return None
-    try:
-        return int(float(v))
-    except ValueError:
-        return None
-
-
-def _arg_bool(args: dict[str, str], key: str) -> bool | None:
-    v = _arg(args, key)
-    if v is None:
-        return None
-    if v in ("True", "true", "1"):
-        return True
-    if v in ("False", "false", "0"):
-        return False
-    return None
-
-
-def _arg_float(args: dict[str, str], key: str) -> float | None:
-    """A float, or the first number of a list Megatron printed (nargs='+' arguments such as
-    moe_aux_loss_coeff print as '[0.01]')."""
-    v = _arg(args, key)
-    if v is None:
-        return None
-    return _first_number(v.strip("[]()"))
-
-
-def _arg_word(args: dict[str, str], key: str) -> str | None:
-    """A word, or the first word of a printed list ('['seq_aux_loss']' -> 'seq_aux_loss')."""
-    v = _arg(args, key)
-    if v is None:
-        return None
-    m = re.search(r"[A-Za-z_]\w*", v)
-    return m.group(0) if m else None
-
-
-def _model_settings(args: dict[str, str]) -> dict:
-    """ModelSpec settings (RoPE, norm epsilon, q/k norms, activation, router) from the dump."""
-    out: dict = {}
-    for key, ours in (("rotary_base", "rotary_base"), ("moe_router_num_groups", "moe_router_num_groups"),
-                      ("moe_router_group_topk", "moe_router_group_topk")):
-        v = _arg_int(args, key)
-        if v is not None:
-            out[ours] = v
-    # --norm-epsilon stores into layernorm_epsilon (arguments.py).
-    for key, ours in (("rotary_percent", "rotary_percent"), ("layernorm_epsilon", "norm_epsilon"),
-                      ("norm_epsilon", "norm_epsilon"), ("moe_router_topk_scaling_factor", "moe_router_topk_scaling_factor"),
-                      ("moe_aux_loss_coeff", "moe_aux_loss_coeff")):
-        v = _arg_float(args, key)
-        if v is not None and math.isfinite(v) and ours not in out:
-            out[ours] = v
-    if _arg_bool(args, "use_rope_scaling"):
-        factor = _arg_float(args, "rope_scaling_factor")
-        if factor:
-            out.update(rope_scaling_factor=factor, rope_scaling_type="llama3")
-    for key in ("qk_layernorm", "squared_relu", "moe_router_enable_expert_bias"):
-        v = _arg_bool(args, key)
-        if v is not None:
-            out[key] = v
-    score = _arg_word(args, "moe_router_score_function")
-    if score in ("softmax", "sigmoid"):
-        out["moe_router_score_function"] = score
-    lb = _arg_word(args, "moe_router_load_balancing_type")
-    if lb in ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"):
-        out["moe_router_load_balancing_type"] = lb
-    return out
-
-
-def _enum_value(v: str | None) -> str | None:
-    """'AttnBackend.flash' -> 'flash' (Megatron prints enum members)."""
-    if v is None:
-        return None
-    return v.rsplit(".", 1)[-1]
+def _plan_from_sections(sections: dict[str, dict], notes: list[str]) -> Plan:
+    """A Plan of the parsed sections; a value the schema refuses (out of range) is left at its default, noted."""
+    for _ in range(2):
+        try:
+            return Plan.model_validate(sections)
+        except ValidationError as exc:
+            errors = exc.errors()
+        for err in errors:
+            loc = err["loc"]
+            if len(loc) >= 2 and loc[1] in sections.get(loc[0], {}):
+                value = sections[loc[0]].pop(loc[1])
+                notes.append(f"{loc[0]}.{loc[1]} = {value!r} from the dump ignored ({err['msg']}): left at the default")
+    return Plan.model_validate(sections)
 
 
 def plan_from_megatron_args(
@@ -1236,154 +1160,37 @@ def plan_from_megatron_args(
 ) -> tuple[Plan, list[str]]:
     """Build a Plan from Megatron's arguments dump; return it with notes on what was assumed.
 
-    The dump does not name the GPU: pass `gpu` (default 'h100-sxm', noted). The vocabulary comes
-    from `vocab_size` (the log's ' > padded vocab (size: V) ...' line), else the dump's
-    vocab_size/padded_vocab_size. Raises ValueError naming the missing argument when the dump
-    lacks the model shape.
+    Each argument is read back into its plan field by knowledge/megatron_flags.py, the table the
+    rendered scripts are written from. The dump does not name the GPU: pass `gpu` (default
+    'h100-sxm', noted). The vocabulary comes from `vocab_size` (the log's ' > padded vocab (size: V)
+    ...' line), else the dump's vocab_size/padded_vocab_size. Raises ValueError naming the missing
+    argument when the dump lacks the model shape or the world size.
     """
-    notes: list[str] = []
-    shape = {k: _arg_int(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads")}
-    missing = [k for k, v in shape.items() if v is None]
+    parsed = megatron_flags.parse(args)
+    sections = parsed.sections
+    model = sections["model"]
+    missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads") if k not in model]
     if missing:
         raise ValueError(
             f"the log's arguments dump has no {missing[0]}; pass plan.model explicitly "
             "(e.g. model.name='llama3-8b' or num_layers/hidden_size/num_attention_heads/vocab_size)"
         )
-    V = vocab_size or _arg_int(args, "vocab_size") or _arg_int(args, "padded_vocab_size")
+    padded = megatron_flags.coerce(args.get("padded_vocab_size"), int | None)
+    V = vocab_size or model.get("vocab_size") or (padded if isinstance(padded, int) else None)
     if V is None:
         raise ValueError(
             "the log has neither ' > padded vocab (size: ...)' nor vocab_size in its arguments dump; "
             "pass plan.model.vocab_size"
         )
-    model: dict = {**shape, "vocab_size": V}
-    if _arg_bool(args, "group_query_attention"):
-        model["num_query_groups"] = _arg_int(args, "num_query_groups")
-    for k in ("kv_channels", "ffn_hidden_size", "make_vocab_size_divisible_by", "num_experts", "moe_router_topk",
-              "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "mtp_num_layers",
-              "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "max_position_embeddings"):
-        v = _arg_int(args, k)
-        if v is not None:
-            model["seq_length_max" if k == "max_position_embeddings" else k] = v
-    for k in ("swiglu", "add_bias_linear", "untie_embeddings_and_output_weights", "multi_latent_attention"):
-        v = _arg_bool(args, k)
-        if v is not None:
-            model[k] = v
-    norm = _arg(args, "normalization")
-    if norm in ("LayerNorm", "RMSNorm"):
-        model["normalization"] = norm
-    model.update(_model_settings(args))
-    if model.get("multi_latent_attention"):
-        model.pop("qk_layernorm", None)  # under MLA it switches the latent norms, which the shape always counts
-    pos = _arg(args, "position_embedding_type")
-    if pos in ("rope", "learned_absolute", "none"):
-        model["position_embedding_type"] = pos
-    freq = _arg(args, "moe_layer_freq")
-    if freq is not None and model.get("num_experts"):
-        if freq.isdigit():
-            model["moe_layer_freq"] = int(freq)
-        elif freq.startswith("["):
-            bits = re.findall(r"\d+", freq)
-            if len(bits) == shape["num_layers"]:
-                model["moe_layer_freq"] = [int(b) for b in bits]
-
-    world = _arg_int(args, "world_size")
-    if world is None:
+    model["vocab_size"] = V
+    world = megatron_flags.coerce(args.get("world_size"), int | None)
+    if not isinstance(world, int):
         raise ValueError("the log's arguments dump has no world_size; pass plan.cluster.num_gpus")
-    cluster: dict = {"num_gpus": world, "gpu": gpu or "h100-sxm"}
+    notes: list[str] = []
+    sections["cluster"] = {"num_gpus": world, "gpu": gpu or "h100-sxm"}
     if gpu is None:
         notes.append("the log does not name the GPU: assumed h100-sxm (pass plan.cluster.gpu)")
     if gpus_per_node:
-        cluster["gpus_per_node"] = gpus_per_node
-
-    training: dict = {}
-    for k in ("seq_length", "global_batch_size", "micro_batch_size"):
-        v = _arg_int(args, k)
-        if v is not None:
-            training[k] = v
-    fp8 = _arg(args, "fp8")
-    if fp8 is not None:
-        training["precision"] = "fp8"
-        if fp8 in ("hybrid", "e4m3"):
-            training["fp8_format"] = fp8
-        recipe = _arg(args, "fp8_recipe")
-        if recipe in ("delayed", "tensorwise", "mxfp8", "blockwise"):
-            training["fp8_recipe"] = recipe
-        if _arg_bool(args, "fp8_param_gather"):
-            training["fp8_param_gather"] = True
-    elif _arg_bool(args, "fp16"):
-        notes.append("the run used fp16; modelled as bf16 (same tensor-core peak)")
-    # Megatron's default is 0.1 each; a dump always prints them, so a run left at the default is described as it ran.
-    for k in ("attention_dropout", "hidden_dropout"):
-        v = _arg_float(args, k)
-        if v is not None and 0 <= v < 1:
-            training[k] = v
-
-    par: dict = {}
-    for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-              "expert_model_parallel_size", "expert_tensor_parallel_size", "recompute_num_layers"):
-        v = _arg_int(args, k)
-        if v is not None:
-            par[k] = v
-    # validate_args fills virtual_pipeline_model_parallel_size from --num-virtual-stages-per-pipeline-rank
-    # or --num-layers-per-virtual-pipeline-stage; dumps of older releases carry only the latter.
-    vp = _arg_int(args, "virtual_pipeline_model_parallel_size") or _arg_int(args, "num_virtual_stages_per_pipeline_rank")
-    if vp is None:
-        per_stage = _arg_int(args, "num_layers_per_virtual_pipeline_stage")
-        pp = par.get("pipeline_model_parallel_size", 1)
-        if per_stage and pp > 1:
-            vp = shape["num_layers"] // (pp * per_stage)
-    if vp is not None and vp > 1:
-        par["virtual_pipeline_model_parallel_size"] = vp
-    for k in ("sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"):
-        v = _arg_bool(args, k)
-        if v is not None:
-            par[k] = v
-    gran = _arg(args, "recompute_granularity")
-    if gran in ("selective", "full"):
-        par["recompute_granularity"] = gran
-        meth = _arg(args, "recompute_method")
-        if meth in ("uniform", "block"):
-            par["recompute_method"] = meth
-        mods = _arg(args, "recompute_modules")
-        if gran == "selective" and mods and mods.startswith("["):
-            allowed = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"}
-            found = [m for m in re.findall(r"[\w]+", mods) if m in allowed]
-            if found:
-                par["recompute_modules"] = found
-    else:
-        par.pop("recompute_num_layers", None)
-
-    impl: dict = {}
-    ti = _arg(args, "transformer_impl")
-    if ti in ("transformer_engine", "local"):
-        impl["transformer_impl"] = ti
-    ab = _enum_value(_arg(args, "attention_backend"))
-    if ab in ("auto", "flash", "fused", "unfused", "local"):
-        impl["attention_backend"] = ab
-    # fp32 gradient buffers: args.accumulate_allreduce_grads_in_fp32 (older releases), or the
-    # default unless --grad-reduce-in-bf16 (megatron-core 0.19 arguments.py).
-    g32 = _arg_bool(args, "accumulate_allreduce_grads_in_fp32")
-    if g32 is None:
-        bf16_grads = _arg_bool(args, "grad_reduce_in_bf16")
-        g32 = None if bf16_grads is None else not bf16_grads
-    if g32 is not None:
-        impl["grad_reduce_in_fp32"] = g32
-    disp = _arg(args, "moe_token_dispatcher_type")
-    if disp in ("allgather", "alltoall", "flex"):
-        impl["moe_token_dispatcher_type"] = disp
-    for k in ("moe_grouped_gemm", "cross_entropy_loss_fusion", "use_torch_fsdp2", "gradient_accumulation_fusion", "manual_gc"):
-        v = _arg_bool(args, k)
-        if v is not None:
-            impl[k] = v
-    gci = _arg_int(args, "manual_gc_interval")
-    if impl.get("manual_gc") and gci is not None and gci >= 0:
-        impl["manual_gc_interval"] = gci
-
-    plan = Plan(
-        model=ModelSpec(**model),
-        cluster=ClusterSpec(**cluster),
-        training=TrainingSpec(**training),
-        parallelism=ParallelismSpec(**par),
-        implementation=ImplementationSpec(**impl),
-    )
-    return plan, notes
+        sections["cluster"]["gpus_per_node"] = gpus_per_node
+    notes += parsed.notes
+    return _plan_from_sections(sections, notes), notes

@@ -115,38 +115,24 @@ class RenderView:
 Gate = Callable[[Get], bool]
 
 
-def _unknown(v: Any) -> bool:
-    return v is MISSING
+def _gate(path: str, test: Callable[[Any], bool]) -> Gate:
+    """Open where the plan field passes `test`, or where the arguments do not mention it (nothing says it is off)."""
+    return lambda get: (v := get(path)) is MISSING or test(v)
 
 
-def moe(get: Get) -> bool:
-    v = get("model.num_experts")
-    return _unknown(v) or bool(v)
+moe = _gate("model.num_experts", bool)
+mla = _gate("model.multi_latent_attention", bool)
+rope = _gate("model.position_embedding_type", lambda v: v == "rope")
+fp8 = _gate("training.precision", lambda v: v == "fp8")
+loss_fusion = _gate("implementation.cross_entropy_loss_fusion", bool)
+manual_gc = _gate("implementation.manual_gc", bool)
+_te_spec = _gate("implementation.transformer_impl", lambda v: v == "transformer_engine")
 
 
-def mla(get: Get) -> bool:
-    v = get("model.multi_latent_attention")
-    return _unknown(v) or bool(v)
-
-
-def rope(get: Get) -> bool:
-    v = get("model.position_embedding_type")
-    return _unknown(v) or v == "rope"
-
-
-def fp8(get: Get) -> bool:
-    v = get("training.precision")
-    return _unknown(v) or v == "fp8"
-
-
-def loss_fusion(get: Get) -> bool:
-    v = get("implementation.cross_entropy_loss_fusion")
-    return _unknown(v) or bool(v)
-
-
-def manual_gc(get: Get) -> bool:
-    v = get("implementation.manual_gc")
-    return _unknown(v) or bool(v)
+def te_rope(get: Get) -> bool:
+    """Transformer Engine's layers and RoPE: the only runs where RoPE fusion is a choice (the local spec
+    always passes --no-rope-fusion; validate_args clears apply_rope_fusion without RoPE)."""
+    return _te_spec(get) and rope(get)
 
 
 @dataclass(frozen=True)
@@ -268,6 +254,8 @@ class _Parsed:
 
     values: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    read: set[str] = field(default_factory=set)
+    """The fields read from the arguments (not given as context)."""
 
     def get(self, path: str) -> Any:
         return self.values.get(path, MISSING)
@@ -275,6 +263,7 @@ class _Parsed:
     def put(self, path: str, value: Any) -> None:
         if value is not _INVALID:
             self.values[path] = value
+            self.read.add(path)
 
 
 def _raw(args: Mapping[str, Any], key: str) -> Any:
@@ -528,14 +517,18 @@ def _parse_precision(args: Mapping[str, Any], parsed: _Parsed) -> None:
         parsed.put("training.precision", "bf16")
 
 
+_NO_ROPE_FUSION = Arg("--no-rope-fusion", "store_false", dest="apply_rope_fusion", default=True)
+
+
 def _render_local_spec(view: RenderView) -> list[Flag]:
     impl = view.plan.implementation.transformer_impl
     if impl == "transformer_engine":
         return []
     # The fused RoPE kernel is Transformer Engine's; without TE, TransformerConfig raises
     # "apply_rope_fusion is not available" (transformer_config.py), whatever the position embedding.
+    # (implementation.apply_rope_fusion's row is gated to the TE spec, so the flag is written once.)
     return _v(("--transformer-impl", impl, "implementation.transformer_impl: Megatron's local modules"),
-              ("--no-rope-fusion", None, "local spec: the fused RoPE kernel comes from Transformer Engine"))
+              (_NO_ROPE_FUSION.flag, None, "local spec: the fused RoPE kernel comes from Transformer Engine"))
 
 
 def _parse_local_spec(args: Mapping[str, Any], parsed: _Parsed) -> None:
@@ -552,6 +545,22 @@ def _render_wgrad_fusion(view: RenderView) -> list[Flag]:
 def _parse_wgrad_fusion(args: Mapping[str, Any], parsed: _Parsed) -> None:
     if "gradient_accumulation_fusion" in args:
         parsed.put("implementation.gradient_accumulation_fusion", coerce(args["gradient_accumulation_fusion"], bool))
+
+
+def _render_bias_activation(view: RenderView) -> list[Flag]:
+    # validate_args clears bias_gelu_fusion itself for models without linear biases: no flag needed there.
+    if view.plan.implementation.bias_activation_fusion or not (view.shape.swiglu or view.shape.add_bias_linear):
+        return []
+    flag = "--no-bias-swiglu-fusion" if view.shape.swiglu else "--no-bias-gelu-fusion"
+    return _v((flag, None, "implementation.bias_activation_fusion false: bias and activation as separate kernels"))
+
+
+def _parse_bias_activation(args: Mapping[str, Any], parsed: _Parsed) -> None:
+    # TransformerConfig.bias_activation_fusion is bias_swiglu_fusion with --swiglu, else bias_gelu_fusion
+    # (argument_utils.py core_transformer_config_from_args).
+    key = "bias_swiglu_fusion" if parsed.get("model.swiglu") is True else "bias_gelu_fusion"
+    if key in args:
+        parsed.put("implementation.bias_activation_fusion", coerce(args[key], bool))
 
 
 def _etp_unset_at_tp(v: Any, get: Get) -> Any:
@@ -716,9 +725,7 @@ PRECISION: tuple[Row, ...] = (
     _e(_I + "grad_reduce_in_fp32", "--grad-reduce-in-bf16", "store_true",
        "implementation.grad_reduce_in_fp32 false: bf16 gradient buffers and reduction", default=False, negate=True),
     _s("local_spec", (_I + "transformer_impl",),
-       (Arg("--transformer-impl", "value", default="transformer_engine"),
-        Arg("--no-rope-fusion", "store_false", dest="apply_rope_fusion", default=True)),
-       _render_local_spec, _parse_local_spec),
+       (Arg("--transformer-impl", "value", default="transformer_engine"),), _render_local_spec, _parse_local_spec),
     _e(_I + "attention_backend", "--attention-backend", "value",
        "implementation.attention_backend: core attention kernel (sets NVTE_*_ATTN itself)", default="auto",
        # 'local' needs --spec local, which pretrain_gpt.py cannot take (rendering's as_rendered notes it)
@@ -731,6 +738,23 @@ PRECISION: tuple[Row, ...] = (
     _s("gradient_accumulation_fusion", (_I + "gradient_accumulation_fusion",),
        (Arg("--no-gradient-accumulation-fusion", "store_false", dest="gradient_accumulation_fusion", default=True),),
        _render_wgrad_fusion, _parse_wgrad_fusion),
+    _e(_I + "attention_softmax_in_fp32", "--attention-softmax-in-fp32", "store_true",
+       "implementation.attention_softmax_in_fp32: Megatron's attention masks and softmaxes in fp32", default=False),
+    _e(_I + "masked_softmax_fusion", "--no-masked-softmax-fusion", "store_false",
+       "implementation.masked_softmax_fusion false: scale, mask and softmax as separate PyTorch kernels",
+       dest="masked_softmax_fusion", default=True),
+    _s("bias_activation_fusion", (_I + "bias_activation_fusion",),
+       (Arg("--no-bias-swiglu-fusion", "store_false", dest="bias_swiglu_fusion", default=True),
+        Arg("--no-bias-gelu-fusion", "store_false", dest="bias_gelu_fusion", default=True)),
+       _render_bias_activation, _parse_bias_activation),
+    _e(_I + "bias_dropout_fusion", "--no-bias-dropout-fusion", "store_false",
+       "implementation.bias_dropout_fusion false: bias add, dropout and residual add as separate kernels",
+       dest="bias_dropout_fusion", default=True),
+    Entry(_I + "apply_rope_fusion", _NO_ROPE_FUSION,
+          "implementation.apply_rope_fusion false: RoPE applied by PyTorch kernels instead of TE's fused one", gate=te_rope),
+    _e(_I + "check_for_nan_in_loss_and_grad", "--no-check-for-nan-in-loss-and-grad", "store_false",
+       "implementation.check_for_nan_in_loss_and_grad false: no NaN/Inf checks of the loss and gradients",
+       dest="check_for_nan_in_loss_and_grad", default=True),
 )
 
 MOE_IMPL: tuple[Row, ...] = (
@@ -791,31 +815,32 @@ class ParsedArgs:
     notes: list[str]
 
 
-def parse(args: Mapping[str, Any]) -> ParsedArgs:
+def parse(args: Mapping[str, Any], context: Mapping[str, Any] | None = None) -> ParsedArgs:
     """Plan fields from Megatron's parsed arguments (destination -> value: a dump's text or typed values).
 
     Plain rows first, then the specials (which may read them), then every gated row whose gate the
     parsed fields close is dropped. Arguments not mentioned leave their field out; values that are not
     the field's type (an unknown choice) are skipped; None and Megatron's default for a setting whose
-    None means that default (schemas.MODEL_SETTINGS) leave it unset.
+    None means that default (schemas.MODEL_SETTINGS) leave it unset. `context` gives plan fields known
+    from elsewhere ({'model.num_experts': 8}) for the gates when `args` lacks them; they are not returned.
     """
     args = _with_legacy(args)
-    parsed = _Parsed()
+    parsed = _Parsed(values=dict(context or {}))
     for row in TABLE:
         if isinstance(row, Entry):
             _parse_entry(row, args, parsed)
     for row in TABLE:
         if isinstance(row, Special):
             row.parse(args, parsed)
-    for row in TABLE:
-        if isinstance(row, Entry) and row.field in parsed.values:
-            if row.gate is not None and not row.gate(parsed.get):
-                del parsed.values[row.field]
-            elif row.parse_hook is not None:
-                parsed.values[row.field] = row.parse_hook(parsed.values[row.field], parsed.get)
+    entries = [row for row in TABLE if isinstance(row, Entry) and row.field in parsed.values]
+    closed = [row.field for row in entries if row.gate is not None and not row.gate(parsed.get)]
+    hooked = {row.field: row.parse_hook(parsed.values[row.field], parsed.get) for row in entries if row.parse_hook}
+    parsed.values.update(hooked)
+    for path in closed:
+        del parsed.values[path]
     sections: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
     for path, v in parsed.values.items():
-        if v is not None:
+        if v is not None and path in parsed.read:
             section, name = path.split(".")
             sections[section][name] = v
     return ParsedArgs(sections, parsed.notes)

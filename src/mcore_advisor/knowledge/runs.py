@@ -14,7 +14,9 @@ filled in at load time). A `flop_convention` column says how each source counted
   memory-tuning rows have no tokens/s, so their convention is the tool's, not verified.
 
 `plan_for_run` turns a row into a complete Plan where the row publishes enough (model shape, GPU,
-TP/PP, sequence length, global batch); every value it had to assume is listed in `assumptions`.
+TP/PP, sequence length, global batch); every value it had to assume is listed in `assumptions`. The
+row is first written as the Megatron-LM arguments it ran with, which knowledge/megatron_flags.py reads
+into plan fields like any other run's arguments.
 """
 
 from __future__ import annotations
@@ -27,16 +29,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mcore_advisor.knowledge import megatron_flags
 from mcore_advisor.knowledge.hardware import gpu_key_from_label
 from mcore_advisor.knowledge.models import model_catalog, normalize_key, resolve_model
-from mcore_advisor.schemas import (
-    ClusterSpec,
-    ImplementationSpec,
-    ModelSpec,
-    ParallelismSpec,
-    Plan,
-    TrainingSpec,
-)
+from mcore_advisor.schemas import ModelSpec, Plan
 
 FlopConvention = Literal["full", "full+recompute", "causal"]
 
@@ -291,6 +287,7 @@ def _match_catalog(run: PublishedRun) -> tuple[str | None, list[str]]:
 
 
 def _recompute(run: PublishedRun, assumptions: list[str]) -> dict:
+    """Megatron-LM's recompute arguments (and --sequence-parallel) for the row's recompute label."""
     r = (run.recompute or "").strip().lower()
     if not r:
         assumptions.append("recompute not published: none assumed")
@@ -298,8 +295,9 @@ def _recompute(run: PublishedRun, assumptions: list[str]) -> dict:
     if r == "none":
         return {}
     if r == "full":
-        assumptions.append("full recompute published without method: uniform, 1 layer per group (every layer) assumed")
-        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        method, layers = megatron_flags.FULL_RECOMPUTE_DEFAULT
+        assumptions.append(f"full recompute published without method: {method}, {layers} layer per group (every layer) assumed")
+        return {"recompute_granularity": "full", "recompute_method": method, "recompute_num_layers": layers}
     if r.startswith("selective"):
         out: dict = {"recompute_granularity": "selective"}
         if "+sp" in r:
@@ -357,84 +355,92 @@ def plan_for_run(run: PublishedRun) -> RunPlan | None:
     cp = run.context_parallel_size or 1
     if run.context_parallel_size is None:
         a.append("context_parallel_size not published: 1 assumed")
-    ep = run.expert_model_parallel_size or 1
-    vp = run.virtual_pipeline_model_parallel_size if pp > 1 else None
-    if vp is not None and vp <= 1:
-        vp = None
     if pp > 1 and run.virtual_pipeline_model_parallel_size is None:
         a.append("virtual pipeline size not published: non-interleaved 1F1B assumed")
     derived_dp = run.num_gpus // (tp * pp * cp)
     if run.data_parallel_size is not None and run.data_parallel_size != derived_dp:
         a.append(f"published DP {run.data_parallel_size} != num_gpus/(TP*PP*CP) = {derived_dp}")
 
-    par: dict = {
+    args: dict = {
         "tensor_model_parallel_size": tp,
         "pipeline_model_parallel_size": pp,
-        "virtual_pipeline_model_parallel_size": vp,
+        "num_virtual_stages_per_pipeline_rank": run.virtual_pipeline_model_parallel_size,
         "context_parallel_size": cp,
-        "expert_model_parallel_size": ep,
+        "expert_model_parallel_size": run.expert_model_parallel_size or 1,
+        "seq_length": run.seq_length, "global_batch_size": run.global_batch_size, "micro_batch_size": mbs,
     }
     m = re.search(r"ETP=(\d+)", run.notes)
     if m:
-        par["expert_tensor_parallel_size"] = int(m.group(1))
-    par.update(_recompute(run, a))
+        args["expert_tensor_parallel_size"] = int(m.group(1))
+    args.update(_recompute(run, a))
+    args.update(_layout_practice(run, tp, "sequence_parallel" in args, a))
+    args.update(_precision_args(run, a))
+    args.update(_implementation_args(run, a))
+    sections = megatron_flags.parse(args).sections
+    impl = sections["implementation"]
+    if "passes with pytorch_cuda_alloc_conf=expandable_segments:true" in run.notes.lower():
+        # the measured (passing) run is the one with expandable segments (an environment variable, not a flag)
+        impl["expandable_segments"] = True
+    plan = Plan(model=model, cluster={"gpu": run.gpu, "num_gpus": run.num_gpus}, training=sections["training"],
+                parallelism=sections["parallelism"], implementation=impl)
+    return RunPlan(run=run, catalog_model=key, plan=plan, assumptions=a)
+
+
+def _layout_practice(run: PublishedRun, tp: int, sp_published: bool, a: list[str]) -> dict:
+    """--sequence-parallel (unless the recompute label gave it) and --use-distributed-optimizer as the row's era ran them."""
+    out: dict = {}
     paper_era = run.source.startswith(("NARAYANAN21", "KORTHIKANTI22"))
-    if "sequence_parallel" not in par:
+    if not sp_published:
         if paper_era:
             # SP is Korthikanti 2022's contribution: Narayanan had none, Korthikanti's baselines run without it.
-            par["sequence_parallel"] = False
+            out["sequence_parallel"] = False
         else:
-            par["sequence_parallel"] = tp > 1
+            out["sequence_parallel"] = tp > 1
             if tp > 1:
                 a.append("sequence parallelism not published: on with TP > 1 assumed (Megatron/NeMo recipe practice)")
     if paper_era:
         # Megatron's distributed optimizer postdates both papers; each DP rank held full Adam state.
-        par["use_distributed_optimizer"] = False
+        out["use_distributed_optimizer"] = False
         a.append("distributed optimizer off: it postdates the 2021/2022 papers")
+    return out
 
-    training: dict = {"seq_length": run.seq_length, "global_batch_size": run.global_batch_size, "micro_batch_size": mbs}
+
+def _precision_args(run: PublishedRun, a: list[str]) -> dict:
+    """--fp8-format / --fp8-recipe / --fp8-param-gather for the row's precision label (bf16 otherwise)."""
+    out: dict = {}
     if run.precision == "fp8":
-        training["precision"] = "fp8"
+        out["fp8"] = "hybrid"
         if "cs" in (run.precision_label or "").lower():
-            training["fp8_recipe"] = "tensorwise"  # Bridge 'FP8-CS' = per-tensor current scaling
-            # Megatron-Bridge bf16_with_fp8_current_scaling_mixed(): fp8_param_gather = True
-            training["fp8_param_gather"] = True
+            # Bridge 'FP8-CS' = per-tensor current scaling; bf16_with_fp8_current_scaling_mixed(): fp8_param_gather = True
+            out.update(fp8_recipe="tensorwise", fp8_param_gather=True)
             a.append("FP8-CS as Megatron-Bridge's bf16_with_fp8_current_scaling_mixed: tensorwise recipe, fp8_param_gather")
         else:
             a.append("FP8 recipe not published: delayed scaling, hybrid format assumed (TE default of that era)")
     elif run.precision == "fp16":
-        training["precision"] = "bf16"
         a.append("FP16 mixed precision modelled as bf16 (same tensor-core peak and bytes per element)")
     elif run.precision is None:
         a.append("precision not published: bf16 assumed")
     if "not stated" in (run.precision_label or "").lower():
-        a.append(f"precision not stated by the source ('{run.precision_label}'): {training.get('precision', 'bf16')} assumed")
+        a.append(f"precision not stated by the source ('{run.precision_label}'): {'fp8' if 'fp8' in out else 'bf16'} assumed")
+    return out
 
-    impl: dict = {}
+
+def _implementation_args(run: PublishedRun, a: list[str]) -> dict:
+    """Dispatcher, FSDP and gradient-reduction arguments the row's notes and source imply."""
+    out: dict = {}
     notes_l = run.notes.lower()
     if "deepep" in notes_l:
-        impl["moe_token_dispatcher_type"] = "flex"
+        out["moe_token_dispatcher_type"] = "flex"
     elif "a2a" in notes_l or "alltoall" in notes_l:
-        impl["moe_token_dispatcher_type"] = "alltoall"
+        out["moe_token_dispatcher_type"] = "alltoall"
     if "megatron-fsdp on" in notes_l:
-        impl["use_torch_fsdp2"] = True
+        out["use_torch_fsdp2"] = True
     if run.source.startswith(("NEMO_", "MBRIDGE_")):
         # NeMo/Megatron-Bridge performance recipes turn fp32 gradient reduction off
         # (scripts/performance helpers: plugins.grad_reduce_in_fp32 = False).
-        impl["grad_reduce_in_fp32"] = False
+        out["grad_reduce_in_bf16"] = True
         a.append("gradients reduced in bf16 (NeMo/Bridge performance-recipe setting; not in the table)")
-    if "passes with pytorch_cuda_alloc_conf=expandable_segments:true" in notes_l:
-        # the measured (passing) run is the one with expandable segments
-        impl["expandable_segments"] = True
-
-    plan = Plan(
-        model=model,
-        cluster=ClusterSpec(gpu=run.gpu, num_gpus=run.num_gpus),
-        training=TrainingSpec(**training),
-        parallelism=ParallelismSpec(**par),
-        implementation=ImplementationSpec(**impl),
-    )
-    return RunPlan(run=run, catalog_model=key, plan=plan, assumptions=a)
+    return out
 
 
 def run_to_plan(run: PublishedRun) -> Plan | None:

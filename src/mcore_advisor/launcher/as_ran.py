@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcore_advisor.knowledge import megatron_flags
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.memory import GIB, MemoryBreakdown, memory_breakdown
 from mcore_advisor.schemas import Plan, parallel_dims, with_changes
@@ -27,39 +28,24 @@ class AsRan:
     differences: list[str] = field(default_factory=list)
 
 
-def _attention_backend(value: Any) -> str | None:
-    """'AttnBackend.flash' (how the job records Megatron's enum) -> 'flash'."""
-    return str(value).rsplit(".", 1)[-1] if value is not None else None
-
-
 def as_ran(plan: Plan, result: Mapping[str, Any] | None) -> AsRan:
     """`plan` with the implementation choices the job's result.json says Megatron used."""
     if not result:
         return AsRan(plan)
     im = plan.implementation
-    settings = result.get("settings") or {}
-    gaf = settings.get("gradient_accumulation_fusion")
-    if isinstance(gaf, str):
-        gaf = True  # results of the pre-Megatron-loop job named the fused layers ('TE layers', 'all layers')
-    ran: dict[str, Any] = {
-        "transformer_impl": result.get("transformer_impl"),
-        "attention_backend": _attention_backend(settings.get("attention_backend")),
-        "gradient_accumulation_fusion": gaf,
-        "cross_entropy_loss_fusion": settings.get("cross_entropy_loss_fusion"),
-        "cross_entropy_fusion_impl": settings.get("cross_entropy_fusion_impl"),
-        "moe_grouped_gemm": settings.get("moe_grouped_gemm"),
-        "grad_reduce_in_fp32": (not settings["grad_reduce_in_bf16"]) if isinstance(settings.get("grad_reduce_in_bf16"), bool) else None,
-    }
-    allowed = {name: type(im).model_fields[name].annotation for name in ran}
-    changes: dict[str, Any] = {}
-    for name, value in ran.items():
-        if value is None or value == getattr(im, name):
-            continue
-        if name == "moe_grouped_gemm" and not resolve_model(plan.model).is_moe:
-            continue  # Megatron's flag is off for dense models whatever the plan says
-        if name == "attention_backend" and value not in getattr(allowed[name], "__args__", ()):
-            continue
-        changes[name] = value
+    settings = dict(result.get("settings") or {})
+    if isinstance(settings.get("gradient_accumulation_fusion"), str):
+        # results of the pre-Megatron-loop job named the fused layers ('TE layers', 'all layers')
+        settings["gradient_accumulation_fusion"] = True
+    shape = resolve_model(plan.model)
+    # Megatron's arguments back to plan fields: knowledge/megatron_flags.py, the table the argv was rendered
+    # from; the model's facts decide which flags apply (grouped GEMM only for MoE, the bias-activation flag
+    # by activation, ...).
+    context = {f"model.{k}": getattr(shape, k) for k in
+               ("num_experts", "swiglu", "add_bias_linear", "position_embedding_type", "multi_latent_attention")}
+    ran = megatron_flags.parse({**settings, "transformer_impl": result.get("transformer_impl")},
+                               context=context).sections["implementation"]
+    changes = {name: value for name, value in ran.items() if value != getattr(im, name)}
     diffs = [f"{k} {v}" + (" (the plan asked for " + str(getattr(im, k)) + ")" if k == "transformer_impl" else "")
              for k, v in changes.items()]
     return AsRan(with_changes(plan, "implementation", **changes) if changes else plan, diffs)

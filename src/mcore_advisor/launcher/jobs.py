@@ -55,6 +55,8 @@ from .backends.base import (
     tail_text,
 )
 from .backends.local import LocalBackend, local_gpu_count
+from .entry import result as result_contract
+from .entry.result import Figure
 from .spec import job_spec
 from .store import (
     ACTIVE_STATES,
@@ -147,7 +149,7 @@ class FigureComparison(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    figure: Literal["iteration_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu_causal", "peak_allocated_gib"]
+    figure: Figure
     measured: float | None
     predicted: float | None
     error_pct: float | None = Field(description="(predicted - measured) / measured * 100: positive = the model over-predicts.")
@@ -307,18 +309,12 @@ def _diagnose(plan: Mapping[str, Any], log_text: str) -> dict[str, Any] | None:
 
 # ---- figures ---------------------------------------------------------------------------------
 
-# evaluate_plan nests physics/step_time.py PerfEstimate and physics/memory.py MemoryBreakdown; these are their names.
-_PREDICTED_KEYS: dict[str, tuple[str, ...]] = {
-    "iteration_time_s": ("iteration_time_s",),
-    "tokens_per_s_per_gpu": ("tokens_per_s_per_gpu",),
-    "tflops_per_gpu_causal": ("model_tflops_per_gpu_causal", "tflops_per_gpu_causal"),
-    "peak_allocated_gib": ("peak_allocated_gib",),
-}
-_MEASURED_KEYS: dict[str, tuple[str, ...]] = {
-    "iteration_time_s": ("iter_s", "iteration_time_s"),
-    "tokens_per_s_per_gpu": ("tokens_per_s_per_gpu",),
-    "tflops_per_gpu_causal": ("tflops_per_gpu_causal",),
-    "peak_allocated_gib": ("peak_allocated_gib",),
+#: figure -> where evaluate_plan (physics/evaluate.py Evaluation) holds its prediction: (section, field)
+PREDICTED_FIELDS: dict[str, tuple[str, str]] = {
+    "iteration_time_s": ("performance", "iteration_time_s"),
+    "tokens_per_s_per_gpu": ("performance", "tokens_per_s_per_gpu"),
+    "tflops_per_gpu_causal": ("performance", "model_tflops_per_gpu_causal"),
+    "peak_allocated_gib": ("memory", "peak_allocated_gib"),
 }
 
 
@@ -332,7 +328,7 @@ def _gc_note(result: Mapping[str, Any] | None, plan: Mapping[str, Any]) -> str |
         return None
     pauses = (result.get("host") or {}).get("gc_pause_s_per_iteration") or []
     kinds = result.get("iterations") or []
-    step = _number(result.get("iter_s"))
+    step = result_contract.measured(result, "iteration_time_s")
     measured = [(i + 1, p) for i, (k, p) in enumerate(zip(kinds, pauses, strict=False))
                 if k == "measure" and isinstance(p, int | float)]
     if not measured or not step:
@@ -346,54 +342,25 @@ def _gc_note(result: Mapping[str, Any] | None, plan: Mapping[str, Any]) -> str |
             "implementation.manual_gc (--manual-gc, with manual_gc_interval) runs collections at chosen steps instead")
 
 
-def _number(value: Any) -> float | None:
-    """A figure from JSON; per-rank lists/dicts give their maximum (the most-loaded rank)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int | float):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, list):
-        nums = [n for n in (_number(v) for v in value) if n is not None]
-        return max(nums) if nums else None
-    return None
-
-
-def _find(data: Any, keys: Sequence[str], depth: int = 0) -> float | None:
-    """First of `keys` found in a nested JSON object (breadth-first, shallow first)."""
-    if not isinstance(data, Mapping) or depth > 4:
-        return None
-    for key in keys:
-        if key in data:
-            n = _number(data[key])
-            if n is not None:
-                return n
-    for value in data.values():
-        if isinstance(value, Mapping):
-            n = _find(value, keys, depth + 1)
-            if n is not None:
-                return n
-    return None
-
-
-def _measured_on_cpu(result: Mapping[str, Any]) -> bool:
-    # The entry reports no MFU peak and RSS-based memory when it ran without CUDA (entry/profile.py _finish).
-    return result.get("mfu_peak_tflops") is None and "RSS" in str(result.get("memory_source", ""))
-
-
 def predicted_figures(predicted: Mapping[str, Any] | None) -> PredictedFigures | None:
+    """The named figures of evaluate_plan's answer as stored at submit time (absent sections give None)."""
     if not predicted:
         return None
-    return PredictedFigures(**{name: _find(predicted, keys) for name, keys in _PREDICTED_KEYS.items()})
+    values = {}
+    for name, (section, key) in PREDICTED_FIELDS.items():
+        v = (predicted.get(section) or {}).get(key)
+        values[name] = float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+    return PredictedFigures(**values)
 
 
 def compare(result: Mapping[str, Any] | None, predicted: PredictedFigures | None) -> list[FigureComparison]:
+    """Measured vs predicted per named figure: the measured one from result.json's contract
+    (launcher/entry/result.py MEASURED), the predicted one from PREDICTED_FIELDS."""
     if not result:
         return []
     out = []
-    for name, keys in _MEASURED_KEYS.items():
-        measured = _find(result, keys)
+    for name in result_contract.MEASURED:
+        measured = result_contract.measured(result, name)
         pred = getattr(predicted, name) if predicted is not None else None
         err = None
         if measured is not None and pred is not None and measured != 0:
@@ -720,7 +687,7 @@ class JobManager:
             predicted, terms, ran_note = _at_scale_prediction(rec.plan, rec.result)
         comparison = compare(rec.result, predicted)
         note = ran_note
-        if rec.result and (not rec.resources.get("use_gpus", True) or _measured_on_cpu(rec.result)):
+        if rec.result and (not rec.resources.get("use_gpus", True) or result_contract.measured_on_cpu(rec.result)):
             note = (f"{note}; " if note else "") + (f"measured on CPU processes ({rec.result.get('device') or 'cpu'}), not on the plan's GPU: "
                     "the errors check the plumbing, not the model's accuracy")
         gc_note = _gc_note(rec.result, rec.plan)

@@ -66,7 +66,7 @@ def evaluate_plan(plan: Plan) -> Evaluation:
     """
     shape = resolve_model(plan.model)
     g = gpu(plan.cluster.gpu)
-    findings = blocking_first(validate(plan) + unmodelled_settings(plan))
+    findings = blocking_first(validate(plan))
     has_error = any(f.severity == "error" for f in findings)
     dims = parallel_dims(plan)
     tr = plan.training
@@ -94,6 +94,7 @@ def evaluate_plan(plan: Plan) -> Evaluation:
                     + (f" (fix: {first.fix})" if first.fix else ""))
     else:
         perf = step_time(plan, shape)
+        findings = blocking_first(findings + host_bound_findings(perf, plan))
     feasible = not has_error and memory is not None and memory.fits
     return Evaluation(
         valid=not has_error,
@@ -114,21 +115,20 @@ def blocking_first(findings: list[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda f: order[f.severity])
 
 
-def unmodelled_settings(plan: Plan) -> list[Finding]:
-    """Plan settings the memory and time models do not cover yet, so the prediction is for a run without them."""
-    t = plan.training
-    if not (t.attention_dropout or t.hidden_dropout):
+def host_bound_findings(perf: PerfEstimate, plan: Plan) -> list[Finding]:
+    """A finding when the prediction is host-bound (PerfEstimate.host_bound): the GPU waits on the host."""
+    if not perf.host_bound:
         return []
-    # TODO(issue 14 stage 2): dropout > 0 keeps a mask per dropped tensor (1 B/element: attention
-    # probabilities b*n*s*s/TP unless flash attention regenerates it, and each hidden-dropout output
-    # b*s*h) and adds memory-bound kernels; memory_breakdown and step_time assume 0.
+    b, it = perf.breakdown, perf.iteration_time_s
+    tr, im = plan.training, plan.implementation
+    checks = " or --no-check-for-nan-in-loss-and-grad (fewer host syncs)" if im.check_for_nan_in_loss_and_grad else ""
     return [Finding(
-        code="dropout_not_modelled", severity="warning",
-        fields=["training.attention_dropout", "training.hidden_dropout"],
-        message=(f"attention_dropout {t.attention_dropout:g} / hidden_dropout {t.hidden_dropout:g}: dropout > 0 is not "
-                 "modelled yet; its masks cost memory and its kernels time, so memory and step time are underestimated"),
-        fix="set training.attention_dropout and training.hidden_dropout to 0 (the Hugging Face configs of Llama 3 and "
-            "DeepSeek-V3 have attention_dropout 0.0) for predictions that hold, or read these figures as a lower bound",
+        code="host_bound", severity="warning",
+        fields=["training.micro_batch_size", "cluster.host_floor_ms_per_layer", "implementation.check_for_nan_in_loss_and_grad"],
+        message=(f"host-bound: the GPU is predicted to wait {b.host_bound_s:.3f} s ({100 * b.host_bound_s / it:.0f}%) of the "
+                 f"{it:.3f} s step for the host (kernel launches of layers with little GPU work at micro-batch "
+                 f"{tr.micro_batch_size}, host syncs, the step's own host work); such steps vary with the host's load"),
+        fix=f"a larger micro-batch (more GPU work per launch){checks}; a faster host (bare metal) shrinks it",
     )]
 
 
@@ -156,7 +156,7 @@ _TERM_NAMES = {
     "pipeline_bubble_s": "pipeline bubble",
     "dp_comm_exposed_s": "exposed data-parallel gradient/parameter communication",
     "optimizer_s": "optimizer step",
-    "host_bound_s": "host-bound kernel launches (layers too small for the GPU)",
+    "host_bound_s": "GPU waiting for the host (kernel launches, host syncs, per-step host work)",
     "overhead_s": "fixed overhead",
 }
 
@@ -193,4 +193,4 @@ def _explain(findings: list[Finding], memory: MemoryBreakdown | None, perf: Perf
     return out
 
 
-__all__ = ["Evaluation", "ParallelSummary", "blocking_first", "evaluate_plan", "unmodelled_settings"]
+__all__ = ["Evaluation", "ParallelSummary", "blocking_first", "evaluate_plan", "host_bound_findings"]

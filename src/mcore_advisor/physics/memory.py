@@ -24,10 +24,13 @@ modern models, term by term:
 - SwiGLU: the fused activation saves its 2f-wide input, fc2 saves the f-wide product (unfused:
   also silu's output).
 - Flash/fused attention saves q, k, v, the output and fp32 softmax statistics (b*n*s), never the
-  s x s matrix. Megatron's local (unfused) DotProductAttention saves the fp32 softmax output and its
-  bf16 copy (`attention_softmax_in_fp32`, TransformerConfig's default True) = 6 bytes per score.
+  s x s matrix. Megatron's own DotProductAttention (always the local spec's core attention) saves the
+  softmax output per score (`softmax_bytes_per_score`): 2 B from the fused masked-softmax kernel or
+  PyTorch's bf16 softmax (Megatron-LM's default, --attention-softmax-in-fp32 off), 6 B from the fp32
+  softmax (its fp32 output and the bf16 copy the PV matmul saves); dropout adds its mask and output.
 - TE's DotProductAttention makes v contiguous (`get_qkv_layout`), so the QKV GEMM output is freed;
-  the local spec keeps it alive through the v view that the attention matmul saves. Selective
+  Megatron's DotProductAttention keeps it alive through the v view its PV matmul saves (MHA), or
+  saves the repeat_interleave'd k and v of GQA (n heads wide each) instead. Selective
   core_attn recompute under TE brings it back: Megatron's CheckpointFunction saves the v view, so
   with flash attention selective recompute needs more memory than none.
 - Loss: the last stage holds 6 B per logit (unfused), 10 B (Megatron's torch.compile'd 'native'
@@ -226,9 +229,11 @@ class ActivationOptions:
     sequence_parallel: bool = False
     transformer_impl: Literal["transformer_engine", "local"] = "transformer_engine"
     unfused_attention: bool = False
+    attention_backend: str = "auto"
     fp8: bool = False
     fused_activation: bool = True
-    attention_softmax_in_fp32: bool = True
+    attention_softmax_in_fp32: bool = False
+    masked_softmax_fusion: bool = True
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     recompute_modules: frozenset[str] = frozenset()
@@ -258,7 +263,7 @@ def layer_activation_terms(shape: ModelShape, seq_length: int, micro_batch_size:
     s_local = seq_length / cp
     tok = s_local * micro_batch_size  # tokens of one microbatch on this rank
     c = _LayerTokens(tok=tok, sp_div=t if o.sequence_parallel and t > 1 else 1, gemm_in=1.0 if o.fp8 else 2.0,
-                     scores_per_head=micro_batch_size * s_local * seq_length)
+                     scores_per_head=micro_batch_size * s_local * seq_length, seq_k=seq_length)
     terms: dict[str, float] = {}
     terms.update(_norm_terms(shape, o, c))
     qkv, v_width = _qkv_bytes(shape, o, c)
@@ -266,7 +271,9 @@ def layer_activation_terms(shape: ModelShape, seq_length: int, micro_batch_size:
     terms.update(_core_attention_terms(shape, o, c, v_width))
     masks = 0.0
     if o.hidden_dropout > 0:
-        masks += 2 * 1.0 * shape.hidden_size * tok / c.sp_div  # after attention and after MLP (bias-dropout-add)
+        # bias-dropout-add after attention and after the MLP (fusions/fused_bias_dropout.py): dropout keeps
+        # a 1-byte mask per element of its s x b x h output; the residual add saves nothing.
+        masks += 2 * 1.0 * shape.hidden_size * tok / c.sp_div
     terms["dropout_masks"] = masks
     terms.update(_mlp_terms(shape, o, c, moe_layer))
     return terms
@@ -280,6 +287,55 @@ class _LayerTokens:
     sp_div: int  # TP when SP shards the h-wide tensors outside the TP regions, else 1
     gemm_in: float  # bytes per saved GEMM input element (1 with FP8)
     scores_per_head: float  # b x s/cp x s attention scores per head
+    seq_k: int  # keys each query attends over (the whole sequence)
+
+
+def megatron_dot_product_attention(o: ActivationOptions) -> bool:
+    """Core attention is Megatron's own DotProductAttention: always under the local spec
+    (LocalSpecProvider.core_attention), and 'local' under Transformer Engine."""
+    return o.unfused_attention and (o.transformer_impl == "local" or o.attention_backend == "local")
+
+
+def fused_softmax_kernel(megatron_dpa: bool, masked_softmax_fusion: bool, heads_per_rank, seq_k: int):
+    """Whether unfused attention's masked softmax runs a fused CUDA kernel (`heads_per_rank` a number or
+    an array of them).
+
+    Megatron's DotProductAttention (fusions/fused_softmax.py FusedScaleMaskSoftmax.is_kernel_available):
+    masked_softmax_fusion, bf16 input, 16 < sk <= 4096, sq and sk multiples of 4 and b*np a multiple of 4
+    (taken here as np % 4 == 0, so the figure stays linear in b). TE's UnfusedDotProductAttention has
+    its own kernel for 16 < sk < 16384 with sk % 8 == 0 (TE attention/dot_product_attention/softmax.py).
+    """
+    if not megatron_dpa:
+        return 16 < seq_k < 16384 and seq_k % 8 == 0
+    seq_ok = masked_softmax_fusion and 16 < seq_k <= 4096 and seq_k % 4 == 0
+    return np.logical_and(seq_ok, np.mod(heads_per_rank, 4) == 0)
+
+
+def softmax_bytes_per_score(o: ActivationOptions, heads_per_rank: int, seq_k: float) -> tuple[float, float]:
+    """(bytes saved for backward, bytes live at the softmax backward) per attention score of unfused attention.
+
+    - fused kernel (ScaledUpperTriangMaskedSoftmax): saves its bf16 output (2 B); its backward writes the
+      gradient in place over the incoming one: 2 + 2 live.
+    - PyTorch softmax in bf16 (Megatron-LM's default, no --attention-softmax-in-fp32): masked_fill_
+      works in place on the QK^T output, softmax saves its bf16 output (2 B); at its backward the
+      output, the incoming and the outgoing gradient are live: 6 B.
+    - PyTorch softmax in fp32: `.float()` copy, softmax saves its fp32 output (4 B) and the bf16 copy
+      the PV matmul saves (2 B) = 6 B; its backward holds fp32 output and gradients in and out: 12 B.
+    With attention dropout p > 0 (torch.nn.Dropout, skipped at p = 0) the dropout keeps a 1-byte mask
+    and the PV matmul saves the dropped bf16 output instead of the softmax's bf16 one.
+    """
+    dpa = megatron_dot_product_attention(o)
+    fused = bool(fused_softmax_kernel(dpa, o.masked_softmax_fusion, heads_per_rank, seq_k))
+    fp32 = not fused and (o.attention_softmax_in_fp32 or not dpa)
+    if fused:
+        out, live = 2.0, 4.0
+    elif fp32:
+        out, live = 4.0, 12.0
+    else:
+        out, live = 2.0, 6.0
+    pv_input = 2.0 if (fp32 or o.attention_dropout > 0) else 0.0  # a bf16 tensor besides the softmax output
+    mask = 1.0 if o.attention_dropout > 0 else 0.0
+    return out + pv_input + mask, live
 
 
 def _norm_terms(shape: ModelShape, o: ActivationOptions, c: _LayerTokens) -> dict[str, float]:
@@ -317,9 +373,14 @@ def _qkv_bytes(shape: ModelShape, o: ActivationOptions, c: _LayerTokens) -> tupl
     d, g = shape.kv_channels, shape.num_query_groups
     q, kv = n * d, g * d
     rope = shape.position_embedding_type == "rope"
-    if o.transformer_impl == "local" or not rope:
-        # Local spec: the attention matmul saves v, a view of the QKV GEMM output, which keeps
-        # the whole (q + 2kv)-wide tensor alive; RoPE adds new q and k tensors.
+    if megatron_dot_product_attention(o) and g < n and "core_attn" not in rec:
+        # Megatron's DotProductAttention with GQA: the query is reshaped out of the grouped QKV output
+        # (a copy) or RoPE'd (new), and repeat_interleave makes n-head k and v, which the QK^T and PV
+        # matmuls save; nothing keeps the QKV GEMM output itself.
+        return 3 * 2.0 * tok * q / t, q
+    if o.transformer_impl == "local" or megatron_dot_product_attention(o) or not rope:
+        # MHA under Megatron's attention (or no RoPE): the PV matmul saves v, a view of the QKV GEMM
+        # output, which keeps the whole (q + 2kv)-wide tensor alive; RoPE adds new q and k tensors.
         return 2.0 * tok * (q + 2 * kv) / t + (2.0 * tok * (q + kv) / t if rope else 0.0), q
     if "core_attn" in rec:
         # TE + selective core_attn: Megatron's CheckpointFunction (tensor_parallel/random.py,
@@ -342,12 +403,9 @@ def _core_attention_terms(shape: ModelShape, o: ActivationOptions, c: _LayerToke
     core_recomputed = "core_attn" in o.recompute_modules
     if o.unfused_attention and not core_recomputed:
         scores = a_local * c.scores_per_head
-        probs = (4.0 + 2.0) if o.attention_softmax_in_fp32 else 2.0
-        if o.attention_dropout > 0:
-            # Dropout keeps its bool mask and output; the pre-dropout bf16 copy is then not saved.
-            probs = (4.0 if o.attention_softmax_in_fp32 else 2.0) + 1.0 + 2.0
+        saved, _ = softmax_bytes_per_score(o, shape.num_attention_heads // t, c.seq_k)
         # contiguous context = proj input
-        return {"attention_scores": probs * scores, "attention_output": 2.0 * tok * v_width / t}
+        return {"attention_scores": saved * scores, "attention_output": 2.0 * tok * v_width / t}
     if o.unfused_attention or core_recomputed:
         return {"attention_scores": 0.0, "attention_output": c.gemm_in * tok * v_width / t}
     # Flash/fused: the output is saved by the attention and is the proj input (FP8 adds the
@@ -425,10 +483,11 @@ def layer_backward_working_pieces(shape: ModelShape, seq_length: int, micro_batc
     wgrad = 2.0 * h * max(f_mult * shape.ffn_hidden_size, 3 * h) / t
     pieces: tuple[float, ...] = (grads + gather + wgrad,)
     if o.unfused_attention and "core_attn" not in o.recompute_modules:
-        scores = saved.get("attention_scores", 0.0)
-        coef = (12.0 / 6.0) if o.attention_softmax_in_fp32 else 2.0
+        heads = shape.num_attention_heads // t
+        n_scores = heads * micro_batch_size * (seq_length / o.cp) * seq_length
+        per_saved, live = softmax_bytes_per_score(o, heads, seq_length)
         freed = saved.get("mlp_activations", 0.0) + saved.get("attention_output", 0.0)
-        pieces += (scores * (coef - 1.0) - freed + grads,)
+        pieces += (n_scores * (live - per_saved) - freed + grads,)
     return pieces
 
 
@@ -617,7 +676,10 @@ def _activation_options(batch_impl: Implementation, tp: int, cp: int, sp: int, f
                         selective: bool) -> ActivationOptions:
     return ActivationOptions(
         tp=tp, cp=cp, sequence_parallel=bool(sp) and tp > 1, transformer_impl=batch_impl.transformer_impl,
-        unfused_attention=batch_impl.unfused_attention, fp8=bool(fp8), fused_activation=True,
+        unfused_attention=batch_impl.unfused_attention, attention_backend=batch_impl.attention_backend, fp8=bool(fp8),
+        fused_activation=batch_impl.bias_activation_fusion, attention_softmax_in_fp32=batch_impl.attention_softmax_in_fp32,
+        masked_softmax_fusion=batch_impl.masked_softmax_fusion, hidden_dropout=batch_impl.hidden_dropout,
+        attention_dropout=batch_impl.attention_dropout,
         recompute_modules=batch_impl.selective_modules if selective else frozenset(), ep=ep, etp=etp,
     )
 
@@ -1027,9 +1089,10 @@ def _stage_memories(m: MemoryArrays, pp: int) -> list[StageMemory]:
 def _assumptions(im: Implementation) -> list[str]:
     ce = im.cross_entropy_fusion_impl
     out = [
-        "dropout 0 (hidden and attention), as modern LLM recipes use",
-        "fused bias-activation (Megatron-LM default); local spec: torch softmax and torch AdamW (foreach); "
-        "TE spec: TE FusedAdam",
+        (f"dropout: attention {im.attention_dropout:g}, hidden {im.hidden_dropout:g}"
+         + (" (masks and dropped outputs kept for backward)" if im.attention_dropout or im.hidden_dropout else "")),
+        ("fused bias-activation (Megatron-LM default)" if im.bias_activation_fusion else "unfused bias-activation")
+        + "; local spec: torch AdamW (foreach); TE spec: TE FusedAdam",
         ("gradient-accumulation fusion (Megatron's default; Apex for the output layer): TE keeps one bf16 dummy "
          "weight gradient per distinct weight shape" if im.gradient_accumulation_fusion and im.transformer_impl == "transformer_engine"
          else "no gradient-accumulation fusion: each bf16 weight gradient is a transient before main_grad.add_"),
@@ -1038,7 +1101,11 @@ def _assumptions(im: Implementation) -> list[str]:
         + f" ({cross_entropy_peak_bytes_per_logit(im.cross_entropy_loss_fusion, ce):g} B/logit at the loss)",
     ]
     if im.unfused_attention:
-        out.append("attention_softmax_in_fp32 = True (TransformerConfig default): 6 B per attention score saved")
+        kind = ("Megatron's DotProductAttention (the local spec's core attention whatever attention_backend says)"
+                if im.transformer_impl == "local" or im.attention_backend == "local" else "TE's unfused attention")
+        out.append(f"{kind}: s x s scores saved; masked_softmax_fusion {im.masked_softmax_fusion} (kernel for 17-4096 "
+                   f"tokens), attention_softmax_in_fp32 {im.attention_softmax_in_fp32} (Megatron-LM's default off: 2 B "
+                   "per score, 6 B with fp32 softmax)")
     if im.use_torch_fsdp2:
         out.append("FSDP: params, grads and optimizer state sharded over DP*CP; 2 layers unsharded in flight (coarse)")
     return out

@@ -58,6 +58,7 @@ all-to-all/compute overlap, host (CPU) launch limits and syncs, stragglers at sc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
@@ -72,7 +73,12 @@ from mcore_advisor.physics.flops import (
 )
 from mcore_advisor.physics.layouts import RECOMPUTE_FULL, Implementation, LayoutBatch, StageTable
 from mcore_advisor.physics.mamba import hybrid_kinds, mamba_layer_parts
-from mcore_advisor.physics.memory import WEIGHT_BYTES_PER_PARAM, gradient_bytes_per_param, stage_table
+from mcore_advisor.physics.memory import (
+    WEIGHT_BYTES_PER_PARAM,
+    fused_softmax_kernel,
+    gradient_bytes_per_param,
+    stage_table,
+)
 from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, parallel_dims
 
 # ---------------------------------------------------------------------------------------------
@@ -139,17 +145,39 @@ multiples of 32 (FLASH_HEAD_DIM_TILE): the same head dim 80 through torch SDPA o
 the rate of its own FLOPs (2.7B mbs 8 row within 1% before any padding was modelled)."""
 FLASH_HEAD_DIM_TILE = 32.0
 
-UNFUSED_LOCAL_BYTES_PER_SCORE = 108.0
-"""Megatron local-spec DotProductAttention without the compiled masked-softmax kernel (baddbmm ->
-.float() -> masked_fill -> softmax -> bf16 -> bmm, and backward): HBM bytes per score element
-(b * heads * s_q * s_k) at streaming (copy) bandwidth, beyond the GEMM FLOPs. Fit: 0.0385-0.0391
-ns per element fwd+bwd on H100 (104.5 B at 2856 GB/s) and 0.0302-0.0312 on H200 (112 B at
-3896 GB/s), 4 shapes each (s 2048/4096), minus the GEMM time."""
+UNFUSED_SOFTMAX_BYTES_PER_SCORE = {"fused": 22.0, "bf16": 52.5, "fp32": 74.0}
+"""HBM bytes each unfused-attention path moves per score element (b * heads * s_q * s_k) beyond the
+QK^T / PV GEMM FLOPs, forward + backward, counted from Megatron's DotProductAttention and
+FusedScaleMaskSoftmax (fusions/fused_softmax.py):
+- 'fp32' (PyTorch softmax, --attention-softmax-in-fp32): QK^T out 2, .float() 2+4, masked_fill_ 4+4
+  (+1 mask), softmax 4+4, .bfloat16() 4+2, PV reads 2 = 33; backward dP 2, dV reads P 2, cast 2+4,
+  softmax 4+4+4, masked_fill 4+4 (+1), cast 4+2, dQ/dK read dS 2+2 = 41: 74 B;
+- 'bf16' (PyTorch softmax in bf16, Megatron-LM's default): 2 + 2+2+1 + 2+2 + 2 = 13 forward,
+  2+2 + 2+2+2 + 2+2+1 + 2+2 = 19 backward: 32 B counted, but it runs as 52.5: fitted on the local-spec rows
+  of Megatron-LM's own loop outside the held-out third (H100 and H200, one and two GPUs, s 2048 and
+  4096; `benchmarks/throughput_accuracy.py --fit`), the held-out two-GPU ones then within 4%. Its
+  kernels over s-long rows of 2-byte elements run further below copy bandwidth than the fp32 path's;
+  benchmarks/attention_host_probe.py ('dpa') measures the path on its own;
+- 'fused' (the masked-softmax kernel, Megatron's or TE's): 2 + 2+2 + 2 forward, 2+2 + 2+2+2 (in place)
+  + 2+2 backward: 22 B."""
 
-UNFUSED_TE_BYTES_PER_SCORE = 24.0
-"""TE UnfusedDotProductAttention / Megatron with the fused scale-mask-softmax kernel: bf16 scores
-written and read once per GEMM (QK^T out, PV in; dP out, dS out and read twice) plus a fused
-softmax (read+write fwd, read 2 + write 1 bwd): 2+2+2+2+4+4+2+6 = 24 B. Derived, not measured."""
+UNFUSED_ATTENTION_BW_FACTOR = 1.46
+"""Measured bytes-equivalent over counted bytes of the unfused path at streaming (copy) bandwidth:
+the 'fp32' path ran 0.0385-0.0391 ns per score fwd+bwd on H100 (104.5 B at 2856 GB/s) and
+0.0302-0.0312 on H200 (112 B at 3896 GB/s), 4 shapes each (s 2048/4096, benchmarks/kernel_probe.py),
+minus the GEMM time: 108 / 74 counted. Row-wise softmax and masked kernels over s-long rows run below
+copy bandwidth; the same factor is applied to the other paths."""
+
+DROPOUT_RNG_OPS_PER_SCORE = 20.0
+"""Flash/fused attention with dropout keeps no mask: the kernel draws each score's dropout bit from
+Philox4x32-10 (10 rounds of two 32-bit multiplies and xors per 4 values: ~10 integer instructions per
+value) in the forward and draws it again in the backward. Timed at the CUDA cores' INT32 rate (64 lanes
+per SM on Hopper: the dense BF16 peak / 64) over the causal half of the scores. Derived, not measured
+(benchmarks/attention_host_probe.py 'sdpa' measures it)."""
+
+ATTENTION_DROPOUT_BYTES_PER_SCORE = 10.0
+"""Dropout on the probabilities of unfused attention (p > 0): forward reads 2, writes 2 and a 1-byte
+mask; backward reads the gradient 2 and the mask 1, writes 2."""
 
 CROSS_ENTROPY_UNFUSED_BYTES_PER_LOGIT = 53.0
 """Vocab-parallel cross entropy without fusion (fp32 upcast, max, exp, sum, grad), fwd+bwd:
@@ -191,27 +219,35 @@ NETWORK_HOP_LATENCY_S = 5e-6
 2(n-1) for all-reduce), on top of the bandwidth ramp above: launch + a few us per InfiniBand hop.
 They matter only for small models and long rings."""
 
-HOST_SELECTIVE_EXTRA = 1.7 / 6.1
-HOST_FULL_EXTRA = 4.2 / 6.1
-"""Host (CPU) floor per transformer layer and micro-batch: the Python and launch work of
-Megatron-Core's layer, which the GPU cannot outrun however small its kernels. The floor itself is a
-property of the host (GpuSpec.host_floor_ms_per_layer, ClusterSpec override): 6.1 ms forward +
-backward on this workplace's H200 VMs, where Megatron-LM's own pretrain_gpt.py at micro-batch 4
-(1169 ms for 8 micro-batches x 24 layers) and our profile job at micro-batch 1 (146 ms / 24) sit on
-it with 1.5 to 5.5 ms of GPU work. Published bare-metal runs bound it below their layers' time
-(MCore README GPT 32B, TP8: 4.6 ms per layer and micro-batch in all), so elsewhere it is 0 unless
-given. Recompute adds host work in proportion, measured on the same VM: selective (core_attn) 1.7 ms
-and full 4.2 ms more (7.8 and 10.3 ms floors)."""
+HOST_FORWARD_SHARE = 4.2 / 6.1
+"""Host (CPU) time: the GPU waits whenever the host launches work slower than the GPU runs it.
+The host's speed is one figure per machine, the time to launch one reference layer's forward +
+backward for one micro-batch (GpuSpec.host_floor_ms_per_layer, ClusterSpec override; the reference
+layer is GPT-3 1.3B's, TE, bf16, no recompute: `host_reference_kernels`). Every other host cost is
+that figure scaled by what is launched: a layer's forward kernels (recomputed ones included) over the
+reference forward's, its backward kernels over the reference backward's. The forward carries
+HOST_FORWARD_SHARE of the reference layer's host time (Python modules and autograd graph building;
+the backward runs in autograd's C++ engine): full recompute, which reruns every forward, added 4.2 ms
+to the 6.1 ms layer on the H200 VM (benchmarks/results/gpu_recommend_sweep.jsonl)."""
 
-# MoE layers have a larger host cost (router, permutation, the alltoall dispatcher's device-to-host
-# read of tokens per expert): a 12-layer 8-expert model ran 26 ms per layer and micro-batch on the
-# H200 VM (benchmarks/results/gpu_memory_sweep.jsonl), but published large-MoE runs on bare-metal
-# hosts (Qwen3-235B, MoE Model Zoo) rule out a floor that high there. Host speed varies too much
-# between machines to carry one MoE figure over, so no MoE-specific floor is modelled.
+HOST_SYNC_KERNELS = 2.0
+"""GPU idle after a host sync (a `.item()`/D2H read the host waits on: the loss NaN/Inf checks of
+every micro-batch and each gradient bucket's once per step, --check-for-nan-in-loss-and-grad;
+an MoE dispatcher's tokens-per-expert read in every MoE layer's forward): the queue is empty, so
+the GPU waits while the host returns and launches the next work, about this many reference-forward
+kernel launches. Fitted together with the H100/H200 host_floor_ms_per_layer (5.5) on the one-GPU rows
+of Megatron-LM's own loop outside the held-out third (`benchmarks/throughput_accuracy.py --fit`:
+grid over floor 2-7 ms, 0-8 launches and a per-step host term of 0-400 launches, which came out 0,
+so the per-step cost stays ITERATION_OVERHEAD_S)."""
+
+
+HOST_BOUND_FLAG = 0.10
+"""Share of the step the GPU waits for the host above which a prediction is called host-bound."""
 
 ITERATION_OVERHEAD_S = 0.005
-"""Per-iteration fixed cost outside the schedule: loss reduction and logging, grad-norm
-all-reduce, optimizer launches, data loader. An estimate; it matters only for very short steps."""
+"""Per-iteration fixed cost outside the schedule on a host fast enough to add no host term: loss
+reduction and logging, grad-norm all-reduce, optimizer launches, data loader. An estimate; it
+matters only for very short steps."""
 
 # Streaming multiprocessors per GPU (wave quantization). NVIDIA architecture whitepapers; H100 SXM
 # 132 confirmed by torch.cuda.get_device_properties on this workplace's H100 and H200.
@@ -300,7 +336,7 @@ class StepTimeBreakdown(BaseModel):
     pipeline_bubble_s: float = Field(description="Pipeline fill and drain: (sum of stage times - slowest stage) / VP; (pp-1)/(vp*m) of the schedule for equal stages.")
     dp_comm_exposed_s: float = Field(description="Data-parallel gradient reduce-scatter/all-reduce and parameter all-gather not overlapped.")
     optimizer_s: float = Field(description="Adam step over the local parameter shard (HBM-bound).")
-    host_bound_s: float = Field(description="GPU idle waiting for the host to launch kernels: small layers whose GPU work is under the host floor (GpuSpec.host_floor_ms_per_layer).")
+    host_bound_s: float = Field(description="GPU idle waiting for the host: layers whose GPU work takes less than launching their kernels, the waits after host syncs (loss and gradient NaN checks, MoE token counts) and the step's own host work (optimizer launches, logging); from the host's speed (GpuSpec.host_floor_ms_per_layer, ClusterSpec override).")
     overhead_s: float = Field(description="Fixed per-iteration overhead.")
 
 
@@ -327,6 +363,7 @@ class PerfEstimate(BaseModel):
     mfu_fp8_full_pct: float | None = Field(description="FP8 runs only: model FLOPs (full) / dense FP8 peak, %.")
     hfu_bf16_causal_pct: float = Field(description="Hardware FLOPs (with recompute, causal) / dense BF16 peak, %.")
     hfu_bf16_full_pct: float = Field(description="Hardware FLOPs (with recompute, full) / dense BF16 peak, %.")
+    host_bound: bool = Field(False, description=f"True when the GPU is predicted to wait for the host (breakdown.host_bound_s) for at least {HOST_BOUND_FLAG:.0%} of the step: the step then follows the host's speed (more variable from one step to the next) more than the GPU's.")
     assumptions: list[str] = Field(description="How plan choices were timed (kernel paths, overlap).")
 
 
@@ -438,6 +475,14 @@ class _Impl:
     fp8_param_gather: bool = False
     te: bool = True
     attention: Literal["fused", "flash", "unfused_te", "unfused_local"] = "fused"
+    masked_softmax_fusion: bool = True
+    softmax_fp32: bool = False
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    rope_fused: bool = True
+    bias_activation_fused: bool = True
+    bias_dropout_fused: bool = True
+    nan_checks: bool = True
     grad_reduce_in_fp32: bool = True
     grad_acc_fusion: bool = True
     moe_dispatcher: str = "alltoall"
@@ -453,10 +498,20 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         fp8_param_gather=bool(im.fp8_param_gather),
         te=im.transformer_impl == "transformer_engine",
         attention=_attention_path(im.transformer_impl, im.attention_backend),
+        masked_softmax_fusion=im.masked_softmax_fusion,
+        softmax_fp32=im.attention_softmax_in_fp32,
+        attention_dropout=im.attention_dropout,
+        hidden_dropout=im.hidden_dropout,
+        # TE's fused RoPE kernel; the local spec cannot use it (TransformerConfig raises without TE).
+        rope_fused=im.apply_rope_fusion and im.transformer_impl == "transformer_engine",
+        bias_activation_fused=im.bias_activation_fusion,
+        bias_dropout_fused=im.bias_dropout_fusion,
+        nan_checks=im.check_for_nan_in_loss_and_grad,
         grad_reduce_in_fp32=im.grad_reduce_in_fp32,
         grad_acc_fusion=bool(im.gradient_accumulation_fusion),
         moe_dispatcher=im.moe_token_dispatcher_type,
-        moe_grouped_gemm=im.moe_grouped_gemm,
+        # the local spec's experts are always SequentialMLP (LocalSpecProvider.grouped_mlp_modules)
+        moe_grouped_gemm=im.moe_grouped_gemm and im.transformer_impl == "transformer_engine",
         ce_fusion=im.cross_entropy_loss_fusion,
         recompute_modules=im.recompute_modules if im.recompute_modules is not None else ("core_attn",),
     )
@@ -482,16 +537,23 @@ def step_time_arrays(batch: LayoutBatch, hardware: HardwareParams) -> dict[str, 
 
 
 def _attention_path(transformer_impl: str, attention_backend: str) -> Literal["fused", "flash", "unfused_te", "unfused_local"]:
-    # The project's launcher (launcher/entry/profile.py) and Megatron: with TE, 'unfused' is TE's
-    # UnfusedDotProductAttention (fused softmax kernel), 'local' Megatron's DotProductAttention,
-    # 'flash' FlashAttention-2, 'fused' and 'auto' cuDNN FusedAttention (TE's choice on Hopper).
-    # The local spec runs torch SDPA for 'auto'/'flash' (torch picks FlashAttention-2 on Hopper:
-    # the H200 SDPA measurements match that rate) and 'fused' (cuDNN), and Megatron's unfused
-    # DotProductAttention with the PyTorch fp32 softmax for 'unfused'/'local' (no compiled
-    # masked-softmax kernel), as the device probe ran it.
+    # Megatron-LM: the local spec's core attention is always Megatron's DotProductAttention
+    # (gpt_layer_specs LocalSpecProvider.core_attention), whatever --attention-backend says. With TE,
+    # 'unfused' is TE's UnfusedDotProductAttention (fused softmax kernel), 'local' Megatron's
+    # DotProductAttention, 'flash' FlashAttention-2, 'fused' and 'auto' cuDNN FusedAttention (TE's
+    # choice on Hopper).
     if transformer_impl == "local":
-        return {"auto": "flash", "flash": "flash", "fused": "fused"}.get(attention_backend, "unfused_local")
+        return "unfused_local"
     return {"flash": "flash", "unfused": "unfused_te", "local": "unfused_local"}.get(attention_backend, "fused")
+
+
+def _softmax_path(impl: _Impl, heads_per_rank, s: float):
+    """Per row: the unfused attention's softmax path ('fused', 'bf16', 'fp32'), the kernel choice the
+    memory model makes (physics.memory.fused_softmax_kernel)."""
+    dpa = impl.attention == "unfused_local"
+    fused = fused_softmax_kernel(dpa, impl.masked_softmax_fusion, heads_per_rank, int(s))
+    torch_path = "fp32" if (impl.softmax_fp32 or not dpa) else "bf16"
+    return np.where(fused, "fused", torch_path)
 
 
 @dataclass(frozen=True)
@@ -532,6 +594,8 @@ class _Ctx:
     bw_st: float  # streaming passes' achieved bytes/s
     nv: float  # NVLink bus bytes/s achieved
     net: float  # NIC bus bytes/s achieved
+    host_f: float = 0.0  # host seconds per forward kernel launched (HOST_FORWARD_SHARE)
+    host_b: float = 0.0  # host seconds per backward kernel
 
     def linear(self, m, n, k, groups=1.0, rate=None):
         """(forward, dgrad, wgrad) of y[m,n] = x[m,k] @ w[k,n] on this GPU."""
@@ -565,7 +629,17 @@ def _context(batch: LayoutBatch, hw: HardwareParams, fp8_rows: bool) -> _Ctx:
         rate=hw.peak_fp8_tflops * 1e12 * hw.gemm_fp8_fraction if fp8 else rate_bf16, rate_bf16=rate_bf16,
         bw=bw, bw_ew=bw * hw.elementwise_fraction, bw_st=bw * hw.stream_fraction,
         nv=hw.nvlink_bandwidth_gbps * 1e9 * NVLINK_EFFICIENCY, net=hw.scaleout_bandwidth_gbps * 1e9 * NETWORK_EFFICIENCY,
+        **_host_rates(hw),
     )
+
+
+def _host_rates(hw: HardwareParams) -> dict:
+    """Host seconds per forward and per backward kernel launch (HOST_FORWARD_SHARE)."""
+    if hw.host_floor_s_per_layer <= 0:
+        return {}
+    k_f, k_b = host_reference_kernels()
+    floor = hw.host_floor_s_per_layer
+    return {"host_f": floor * HOST_FORWARD_SHARE / k_f, "host_b": floor * (1.0 - HOST_FORWARD_SHARE) / k_b}
 
 
 def _hide(comm, behind):
@@ -625,6 +699,12 @@ def _attention_gemms(c: _Ctx) -> _AttentionGemms:
     return _AttentionGemms(lin, proj, d_qk + d_rope, d_v, n_heads, qkv_out, gather_width)
 
 
+ATTENTION_HOST_KERNELS = (2.0, 4.0)
+"""(forward, backward) kernels the host is charged for core attention: TE's fused kernel with its layout
+and softmax-statistics work; Megatron's DotProductAttention issues its handful of plain PyTorch ops
+(baddbmm, masked_fill_, softmax, bmm, permute) at about the host cost of one TE attention call."""
+
+
 def _core_attention(c: _Ctx, a: _AttentionGemms) -> tuple:
     """(forward, backward) seconds of QK^T, softmax and PV on one GPU."""
     b, s, impl = c.b, c.s, c.impl
@@ -639,14 +719,23 @@ def _core_attention(c: _Ctx, a: _AttentionGemms) -> tuple:
         r_attn = c.hw.peak_bf16_tflops * 1e12 * ATTENTION_EFFICIENCY * chunk / (chunk + ATTENTION_HALF_RATE_SEQ)
         if impl.attention == "flash":
             r_attn = r_attn * FLASH2_RELATIVE_RATE
-        return fwd_flops / r_attn + KERNEL_LAUNCH_S, 2.5 * fwd_flops / r_attn + KERNEL_LAUNCH_S
+        rng = 0.0
+        if impl.attention_dropout > 0:
+            rng = 0.5 * DROPOUT_RNG_OPS_PER_SCORE * 0.5 * b * heads_loc * s_q * s / (c.hw.peak_bf16_tflops * 1e12 / 64.0)
+        return fwd_flops / r_attn + rng + KERNEL_LAUNCH_S, 2.5 * fwd_flops / r_attn + rng + KERNEL_LAUNCH_S
     # Unfused: batched GEMMs over the full s x s (no masked-block skipping) + softmax bytes.
     elems = b * heads_loc * s_q * s
     gemm_flops = 2.0 * elems * (a.qk_dim + a.v_dim)
-    per_score = UNFUSED_LOCAL_BYTES_PER_SCORE if impl.attention == "unfused_local" else UNFUSED_TE_BYTES_PER_SCORE
-    # Forward share of the bytes: measured fwd/fwd+bwd time 0.0156/0.0388 on H100 (local path).
-    attn_f = gemm_flops / c.rate_bf16 + 0.4 * elems * per_score / c.bw_st + 4 * KERNEL_LAUNCH_S
-    attn_b = 2.0 * gemm_flops / c.rate_bf16 + 0.6 * elems * per_score / c.bw_st + 6 * KERNEL_LAUNCH_S
+    path = _softmax_path(impl, np.floor(heads_loc), s)
+    counted = np.select([path == "fused", path == "bf16"], [UNFUSED_SOFTMAX_BYTES_PER_SCORE["fused"],
+                        UNFUSED_SOFTMAX_BYTES_PER_SCORE["bf16"]], UNFUSED_SOFTMAX_BYTES_PER_SCORE["fp32"])
+    if impl.attention_dropout > 0:
+        counted = counted + ATTENTION_DROPOUT_BYTES_PER_SCORE
+    per_score = UNFUSED_ATTENTION_BW_FACTOR * counted
+    n_kernels = np.where(path == "fused", 3.0, 5.0) + (1.0 if impl.attention_dropout > 0 else 0.0)
+    # Forward share of the bytes: measured fwd/fwd+bwd time 0.0156/0.0388 on H100 (fp32 path).
+    attn_f = gemm_flops / c.rate_bf16 + 0.4 * elems * per_score / c.bw_st + n_kernels * KERNEL_LAUNCH_S
+    attn_b = 2.0 * gemm_flops / c.rate_bf16 + 0.6 * elems * per_score / c.bw_st + 1.5 * n_kernels * KERNEL_LAUNCH_S
     return attn_f, attn_b
 
 
@@ -664,6 +753,8 @@ class _Elementwise:
     ew_b_s: Any  # backward elementwise seconds (with weight-gradient accumulation)
     acc_attn_b: Any
     acc_mlp_b: Any
+    kernels_f: float  # non-GEMM, non-attention kernels of a dense layer's forward, as the host pays for them
+    kernels_b: float  # ... and backward (weight-gradient adds included)
 
 
 def _elementwise(c: _Ctx, a: _AttentionGemms) -> _Elementwise:
@@ -675,16 +766,36 @@ def _elementwise(c: _Ctx, a: _AttentionGemms) -> _Elementwise:
     n_heads = float(shape.num_attention_heads)
     rope_elems = (n_heads * a.qk_dim + a.kv_heads * a.qk_dim) / tp if shape.position_embedding_type == "rope" else 0.0
     act_b_dense = (3.0 if shape.swiglu else 2.0) * f / tp * 2
+    # RoPE: TE's fused kernel (one pass per tensor) or Megatron's unfused torch path (~5 passes).
+    rope_passes = 1.0 if impl.rope_fused else 5.0
+    # Non-GEMM kernels of a TE layer: forward 2 norms, 2 RoPE, activation, 2 bias-dropout-add,
+    # attention layout/aux ~3 (10); backward about twice that plus residual-grad adds (22). The host
+    # is charged these for the local spec too: its extra kernels come from plain PyTorch ops, each far
+    # cheaper to issue than a TE module call, in the same module structure.
+    host_f, host_b = 10.0, 22.0
     if impl.te:
-        ew_f = T_sp * (2 * norm_b + 2 * resid_b) + T * (rope_elems * 4 + act_b_dense)
-        # Non-GEMM kernels of a TE layer: forward 2 norms, 2 RoPE, activation, 2 bias-dropout-add,
-        # attention layout/aux ~3 (10); backward about twice that plus residual-grad adds (22).
-        n_kernels_f, n_kernels_b = 10.0, 22.0
+        ew_f = T_sp * (2 * norm_b + 2 * resid_b) + T * (rope_passes * rope_elems * 4 + act_b_dense)
+        n_kernels_f, n_kernels_b = host_f, host_b
     else:
         # Local spec without Apex/TE fusions: separate bias adds, unfused RoPE (~5 passes).
         bias_b = (2.0 * f / tp * 2 + 2 * 2.0 * h * 2) if shape.add_bias_linear else 0.0
-        ew_f = T_sp * (2 * norm_b + 2 * resid_b) + T * (5 * rope_elems * 4 + act_b_dense + bias_b)
+        ew_f = T_sp * (2 * norm_b + 2 * resid_b) + T * (rope_passes * rope_elems * 4 + act_b_dense + bias_b)
         n_kernels_f, n_kernels_b = 22.0, 45.0
+    more_f = more_b = 0.0
+    if not impl.rope_fused and shape.position_embedding_type == "rope" and impl.te:
+        more_f, more_b = 8.0, 8.0  # q and k: 4 more kernels each way
+    if not impl.bias_activation_fused:
+        # bias add, activation (and the SwiGLU product) as separate kernels: one more pass each way
+        ew_f = ew_f + T * act_b_dense
+        more_f, more_b = more_f + 2.0, more_b + 3.0
+    if impl.hidden_dropout > 0:
+        # two bias-dropout-adds per layer: a 1-byte mask per element written forward and read backward
+        # (fused; unfused, dropout and the residual add are separate passes over the bf16 tensor)
+        extra = 1.0 if impl.bias_dropout_fused else 1.0 + 2.0 * 2
+        ew_f = ew_f + 2 * T_sp * h * extra
+        more_f, more_b = more_f + (0.0 if impl.bias_dropout_fused else 2.0), more_b + 2.0
+    n_kernels_f, n_kernels_b = n_kernels_f + more_f, n_kernels_b + more_b
+    host_f, host_b = host_f + more_f, host_b + more_b
     if c.fp8:
         # TE casts each GEMM input to FP8 with a transposed copy (read 2, write 1 + 1) and each
         # output gradient likewise in backward; current scaling adds an amax pass over each.
@@ -694,6 +805,7 @@ def _elementwise(c: _Ctx, a: _AttentionGemms) -> _Elementwise:
         cast_f = in_elems * (4.0 + amax)
         cast_b = out_elems * (4.0 + amax)
         n_kernels_f, n_kernels_b = n_kernels_f + 5.0, n_kernels_b + 10.0  # cast/transpose + amax/scale updates
+        host_f, host_b = host_f + 5.0, host_b + 10.0
     else:
         cast_f = cast_b = 0.0
     lw = linear_weights(shape)
@@ -701,7 +813,9 @@ def _elementwise(c: _Ctx, a: _AttentionGemms) -> _Elementwise:
     acc_mlp_b = _wgrad_accumulation_s(_local_weights(lw["mlp"], tp), len(lw["mlp"]), impl, c.bw, c.bw_ew)
     ew_f_s = (ew_f + cast_f) / c.bw_ew + n_kernels_f * KERNEL_LAUNCH_S
     ew_b_s = (2.0 * ew_f + cast_b) / c.bw_ew + n_kernels_b * KERNEL_LAUNCH_S + acc_attn_b + acc_mlp_b
-    return _Elementwise(norm_b, resid_b, rope_elems, act_b_dense, ew_f, ew_f_s, ew_b_s, acc_attn_b, acc_mlp_b)
+    adds = 0.0 if impl.grad_acc_fusion else float(len(lw["attention"]) + len(lw["mlp"]))
+    return _Elementwise(norm_b, resid_b, rope_elems, act_b_dense, ew_f, ew_f_s, ew_b_s, acc_attn_b, acc_mlp_b,
+                        host_f, host_b + adds)
 
 
 # ---- TP / SP collectives of one layer --------------------------------------------------------
@@ -788,11 +902,17 @@ def _dense_layer(c: _Ctx) -> _Layers:
     tpa = tp_comm(sum(x[1] for x in a.lin), a.lin[0][2], a.proj[1], a.proj[0], a.lin[0][0], a.gather_width)
     tpm = tp_comm(fc1[1], fc1[2], fc2[1], fc2[0], fc1[0])
     cp_f, cp_b = _cp_ring(c, a, attn_f, attn_b)
+    attn_k = ATTENTION_HOST_KERNELS
+    gemms = float(len(a.lin) + 1 + 2)
     dense = {
         "gemm_f": a.gemm_f + (fc1[0] + fc2[0]), "gemm_b": a.gemm_b + (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
         "attn_f": attn_f, "attn_b": attn_b, "ew_f": ew.ew_f_s, "ew_b": ew.ew_b_s,
         "tp_f": tpa[0] + tpm[0], "tp_b": tpa[1] + tpm[1], "cp_f": cp_f, "cp_b": cp_b, "ep_f": 0.0, "ep_b": 0.0,
         "acc_attn_b": ew.acc_attn_b,
+        # kernels the host launches for one layer and micro-batch (TP collectives: one per exchange)
+        "kernels_f": gemms + attn_k[0] + ew.kernels_f + np.where(c.tp > 1, 4.0, 0.0),
+        "kernels_b": 2 * gemms + attn_k[1] + ew.kernels_b + np.where(c.tp > 1, 6.0, 0.0),
+        "attn_kernels_f": attn_k[0],
     }
     return _Layers(a, fc1, fc2, ew, tp_comm, tpa, tpm, dense)
 
@@ -869,7 +989,14 @@ def _moe_layer(c: _Ctx, L: _Layers) -> dict:
     etp_c = _ring_s(T_exp * h * 2.0, etp, etp_bw, etp_lat)  # AG of dispatched tokens / RS of outputs
     # SP: the MoE layer takes T/tp tokens, so no MLP all-gather/reduce-scatter; without SP the
     # attention half keeps its all-reduce.
+    # Host kernels: the attention half of a dense layer; router GEMM and ~20 routing/permute kernels
+    # forward (40 backward, as in ew_f/ew_b); the shared expert; and the experts. TE's GroupedLinear
+    # issues a cuBLAS GEMM per local expert from one Python call (C++ launches, charged like backward
+    # kernels); SequentialMLP runs each expert's MLP module in a Python loop (fc1, activation, fc2).
+    per_expert_f, per_expert_b = (0.0, 6.0) if impl.moe_grouped_gemm else (3.0, 5.0)
     return {
+        "kernels_f": 0.5 * L.dense["kernels_f"] + per_expert_f * local_experts + (2.0 if fsh > 0 else 0.0) + 21.0,
+        "kernels_b": 0.5 * L.dense["kernels_b"] + per_expert_b * local_experts + (4.0 if fsh > 0 else 0.0) + 42.0,
         "gemm_f": L.attn.gemm_f + exp_f + shared_f, "gemm_b": L.attn.gemm_b + exp_b + shared_b,
         "attn_f": L.dense["attn_f"], "attn_b": L.dense["attn_b"], "ew_f": ew_f, "ew_b": ew_b,
         "tp_f": L.tpa[0], "tp_b": L.tpa[1], "cp_f": L.dense["cp_f"], "cp_b": L.dense["cp_b"],
@@ -888,7 +1015,10 @@ def _hybrid_kinds(c: _Ctx, L: _Layers, moe: dict | None) -> list:
     ew_attn = T_sp * (ew.norm_b + ew.resid_b) + T * ew.rope_elems * 4
     share = ew_attn / (ew_attn + T_sp * (ew.norm_b + ew.resid_b) + T * ew.act_b_dense)
     ew_b_rest = ew.ew_b_s - ew.acc_attn_b - ew.acc_mlp_b
-    zero = {"attn_f": 0.0, "attn_b": 0.0, "cp_f": 0.0, "cp_b": 0.0, "ep_f": 0.0, "ep_b": 0.0, "norms": 1.0}
+    # Kernels: each half of a dense layer launches about half its kernels (a Mamba mixer as many as a
+    # whole dense layer: conv, scan chunks, gating, norm).
+    half_k = {"kernels_f": 0.5 * d["kernels_f"], "kernels_b": 0.5 * d["kernels_b"]}
+    zero = {"attn_f": 0.0, "attn_b": 0.0, "cp_f": 0.0, "cp_b": 0.0, "ep_f": 0.0, "ep_b": 0.0, "norms": 1.0, **half_k}
     attn_half = {**zero, "gemm_f": L.attn.gemm_f, "gemm_b": L.attn.gemm_b, "attn_f": d["attn_f"], "attn_b": d["attn_b"],
                  "ew_f": share * ew.ew_f_s, "ew_b": share * ew_b_rest + ew.acc_attn_b, "tp_f": L.tpa[0], "tp_b": L.tpa[1],
                  "cp_f": d["cp_f"], "cp_b": d["cp_b"], "mlp_rc_f": 0.0}
@@ -897,7 +1027,7 @@ def _hybrid_kinds(c: _Ctx, L: _Layers, moe: dict | None) -> list:
     moe_only = None
     if moe is not None:
         moe_only = {**moe, "norms": 1.0, **{k: np.maximum(0.0, moe[k] - attn_half[k]) for k in (
-            "gemm_f", "gemm_b", "attn_f", "attn_b", "ew_f", "ew_b", "tp_f", "tp_b", "cp_f", "cp_b")}}
+            "gemm_f", "gemm_b", "attn_f", "attn_b", "ew_f", "ew_b", "tp_f", "tp_b", "cp_f", "cp_b", "kernels_f", "kernels_b")}}
     mamba_part = None
     if shape.num_mamba_layers:
         cp_bw, cp_lat = c.link(c.tp, c.cp)
@@ -905,6 +1035,7 @@ def _hybrid_kinds(c: _Ctx, L: _Layers, moe: dict | None) -> list:
             shape, T=T, T_sp=T_sp, tp=c.tp, linear_s=lambda m_, n_, k_: c.linear(m_, n_, k_),
             tp_comm=L.tp_comm, cp_a2a=lambda x: np.where(c.cp > 1, _ring_s(x, c.cp, cp_bw, cp_lat), 0.0),
             bw_ew=c.bw_ew, rate=c.rate, kernel_s=KERNEL_LAUNCH_S, norm_resid_bytes=ew.norm_b + ew.resid_b)
+        mamba_part = {"kernels_f": d["kernels_f"], "kernels_b": d["kernels_b"], **mamba_part}
     return hybrid_kinds(shape, attn_half, mlp_half, moe_only, mamba_part)
 
 
@@ -949,6 +1080,7 @@ class _LayerAverage:
     rc: Any
     host_gap: Any  # GPU idle per layer waiting for the host
     t_layer: Any  # seconds per layer and micro-batch on the critical path
+    kernels: Any  # kernels the host launches per layer and micro-batch (forward, backward, recompute)
 
 
 def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
@@ -968,10 +1100,37 @@ def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
         f_, b_, r_ = _layer_time(c, L, p, is_moe)
         lay_f, lay_b, lay_rc = lay_f + w * f_, lay_b + w * b_, lay_rc + w * r_
     t_layer_gpu = lay_f + lay_b + lay_rc
-    host_floor = c.hw.host_floor_s_per_layer * (1.0 + np.where(c.recompute == 1, HOST_SELECTIVE_EXTRA, 0.0)
-                                                + np.where(c.recompute == 2, c.recompute_fraction * HOST_FULL_EXTRA, 0.0))
-    host_gap = np.maximum(0.0, host_floor - t_layer_gpu)
-    return _LayerAverage(comp, lay_f, lay_b, lay_rc, host_gap, t_layer_gpu + host_gap)
+    k_f = sum(w * _layer_kernels(c, p)[0] for p, w, _ in kinds)
+    k_b = sum(w * _layer_kernels(c, p)[1] for p, w, _ in kinds)
+    # The host launches a layer's kernels one by one (Python, Megatron-Core, TE, the CUDA launch); a
+    # layer whose GPU work takes less than that leaves the GPU waiting (HOST_FORWARD_SHARE).
+    host_gap = np.maximum(0.0, c.host_f * k_f + c.host_b * k_b - t_layer_gpu)
+    return _LayerAverage(comp, lay_f, lay_b, lay_rc, host_gap, t_layer_gpu + host_gap, k_f + k_b)
+
+
+def _layer_kernels(c: _Ctx, p: dict) -> tuple:
+    """(forward + recomputed, backward) kernels one layer launches per micro-batch; recompute reruns
+    core attention (selective), half the forward for the 'mlp'/'moe' modules, or the forward (full)."""
+    fwd, bwd = p.get("kernels_f", 0.0), p.get("kernels_b", 0.0)
+    mods = c.impl.recompute_modules
+    sel = p.get("attn_kernels_f", 0.0) if "core_attn" in mods else 0.0
+    sel = sel + (0.5 * fwd if ({"mlp", "moe"} & set(mods)) else 0.0)
+    rc = np.where(c.recompute == 1, sel, 0.0) + np.where(c.recompute == 2, c.recompute_fraction * fwd, 0.0)
+    return fwd + rc, bwd
+
+
+@lru_cache(maxsize=1)
+def host_reference_kernels() -> tuple[float, float]:
+    """(forward, backward) kernels of the host floor's reference layer: GPT-3 1.3B, Transformer Engine,
+    bf16, micro-batch 1 of 2,048 tokens, no recompute, weight gradients added to main_grad by separate
+    kernels (the pretrain_gpt.py runs the figure was measured with: --no-gradient-accumulation-fusion)."""
+    plan = Plan(model={"name": "gpt3-1.3b"}, cluster={"gpu": "h100-sxm", "num_gpus": 1, "host_floor_ms_per_layer": 0},
+                training={"seq_length": 2048, "global_batch_size": 1, "micro_batch_size": 1},
+                implementation={"gradient_accumulation_fusion": False})
+    shape = resolve_model(plan.model)
+    c = _context(LayoutBatch.from_plan(plan, shape), hardware_params(plan.cluster), False)
+    d = _dense_layer(c).dense
+    return _f(d["kernels_f"]), _f(d["kernels_b"])
 
 
 # ---- embedding (first stage), output layer + loss and MTP (last stage) ------------------------
@@ -1084,8 +1243,10 @@ def _data_parallel(c: _Ctx, lay: _LayerAverage) -> tuple:
     bucket_frac = np.minimum(1.0, np.maximum(_BUCKET_MIN_PARAMS, _BUCKET_PARAMS_PER_DP * dpc) / np.maximum(P_total, 1.0))
     # Overlap window: the backward (forward) of one micro-batch on this rank; the last grad
     # bucket (first param bucket) can never hide.
-    grad_exp = np.maximum(bucket_frac * t_grad, t_grad - st.layers * (lay.bwd + lay.rc))
-    param_exp = np.maximum(bucket_frac * t_param, t_param - st.layers * lay.fwd)
+    # (wall-clock windows: a host-bound layer's launch gaps stretch them too)
+    stretch = lay.t_layer / np.maximum(lay.fwd + lay.bwd + lay.rc, 1e-30)
+    grad_exp = np.maximum(bucket_frac * t_grad, t_grad - st.layers * (lay.bwd + lay.rc) * stretch)
+    param_exp = np.maximum(bucket_frac * t_param, t_param - st.layers * lay.fwd * stretch)
     grad_exposed = np.where(c.overlap_grad > 0, grad_exp + OVERLAP_SM_TAX * (t_grad - grad_exp), t_grad)
     param_exposed = np.where(c.overlap_param > 0, param_exp + OVERLAP_SM_TAX * (t_param - param_exp), t_param)
     syncs = (c.pp > 1) & (st.first | st.last) & (not shape.untie_embeddings_and_output_weights)
@@ -1096,6 +1257,37 @@ def _data_parallel(c: _Ctx, lay: _LayerAverage) -> tuple:
     t_opt = (shard * ADAM_BYTES_PER_PARAM + P_total * g_bytes) / c.bw_st + 20 * KERNEL_LAUNCH_S  # + zeroing the grad buffer
     slot = np.argmax(dp_exposed + t_opt, axis=0)[None, :]
     return np.take_along_axis(dp_exposed, slot, axis=0)[0], np.take_along_axis(t_opt, slot, axis=0)[0]
+
+
+# ---- host syncs and per-step host work ---------------------------------------------------------
+
+
+def host_syncs_per_step(c: _Ctx, pipe: _Pipeline):
+    """Host syncs per step on the slowest stage: with --check-for-nan-in-loss-and-grad, two loss checks
+    per micro-batch (pretrain_gpt's loss_func: validate_result for NaN and Inf, each reading the loss
+    back) and two per gradient bucket once per step (DDP start_grad_sync -> check_grads; buckets of
+    max(40M, 1M x DP) parameters with overlap_grad_reduce, else one per buffer); and one per MoE layer
+    and micro-batch (the token dispatcher reads tokens-per-expert back, _maybe_dtoh_and_synchronize)."""
+    st = c.stages
+    nan = 2.0 if c.impl.nan_checks else 0.0
+    bucket = np.maximum(_BUCKET_MIN_PARAMS, _BUCKET_PARAMS_PER_DP * c.dp * c.cp)
+    slot = np.where(pipe.with_output, 3, 0)[None, :]
+
+    def at(x):
+        return np.take_along_axis(x, slot, axis=0)[0]
+
+    dense, expert = at(st.dense_params), at(st.expert_params)
+    buckets = np.where(c.overlap_grad > 0, np.ceil(dense / bucket) + np.ceil(expert / bucket),
+                       1.0 + (expert > 0))
+    moe_layers = pipe.layers * float(c.shape.num_moe_layers) / float(c.shape.num_layers)
+    loss = np.where(pipe.with_output, nan, 0.0)
+    return c.m * (loss + moe_layers) + nan * buckets
+
+
+def _host_waits(c: _Ctx, pipe: _Pipeline):
+    """GPU idle on the host per step beyond the layers' own launch gaps: after every sync
+    (HOST_SYNC_KERNELS); 0 on a host fast enough that no host floor is given."""
+    return c.host_f * HOST_SYNC_KERNELS * host_syncs_per_step(c, pipe)
 
 
 # ---- assemble ----------------------------------------------------------------------------------
@@ -1109,7 +1301,8 @@ def _model(c: _Ctx) -> dict[str, np.ndarray]:
     pipe = _pipeline(c, lay.t_layer, e)
     dp_exposed, t_opt = _data_parallel(c, lay)
     m = c.m
-    iter_s = m * pipe.t_max + pipe.bubble + pipe.p2p + dp_exposed + t_opt + ITERATION_OVERHEAD_S
+    host_waits = _host_waits(c, pipe)
+    iter_s = m * pipe.t_max + pipe.bubble + pipe.p2p + dp_exposed + t_opt + ITERATION_OVERHEAD_S + host_waits
     # Attribute the slowest stage's per-micro-batch work to the breakdown terms: its layers, and the
     # output layer, loss and MTP (last stage) or the embedding (first stage) where it holds them;
     # what the terms leave of the MTP layers goes to elementwise.
@@ -1135,7 +1328,7 @@ def _model(c: _Ctx) -> dict[str, np.ndarray]:
         "pipeline_bubble_s": pipe.bubble,
         "dp_comm_exposed_s": dp_exposed,
         "optimizer_s": t_opt,
-        "host_bound_s": k * lay.host_gap,
+        "host_bound_s": k * lay.host_gap + host_waits,
         "overhead_s": np.zeros_like(iter_s) + ITERATION_OVERHEAD_S,
     }
 
@@ -1192,19 +1385,29 @@ def step_time(plan: Plan, shape: ModelShape | None = None) -> PerfEstimate:
         mfu_fp8_full_pct=100 * tf(mf_f) / peak8 if fp8 and peak8 else None,
         hfu_bf16_causal_pct=100 * tf(hf_c) / peak,
         hfu_bf16_full_pct=100 * tf(hf_f) / peak,
-        assumptions=_assumptions(plan),
+        host_bound=breakdown.host_bound_s >= HOST_BOUND_FLAG * it,
+        assumptions=_assumptions(plan, hw),
     )
 
 
-def _assumptions(plan: Plan) -> list[str]:
+def _assumptions(plan: Plan, hw: HardwareParams) -> list[str]:
     im, p = plan.implementation, plan.parallelism
     out = []
+    if hw.host_floor_s_per_layer > 0:
+        out.append(f"host speed {1e3 * hw.host_floor_s_per_layer:g} ms per reference layer (cluster.host_floor_ms_per_layer or "
+                   "the GPU catalog's): layers' kernel launches and the waits after host syncs"
+                   + (" (loss and gradient NaN checks on)" if im.check_for_nan_in_loss_and_grad else "")
+                   + " are timed against it")
+    else:
+        out.append("host assumed never binding (host floor 0): no launch gaps or sync waits")
     path = _attention_path(im.transformer_impl, im.attention_backend)
     out.append({
         "fused": "core attention timed as the cuDNN fused causal kernel (TE FusedAttention)",
         "flash": "core attention timed as FlashAttention-2 (0.6x the cuDNN kernel's rate)",
         "unfused_te": "core attention timed unfused with a fused softmax kernel (full s x s scores in HBM)",
-        "unfused_local": "core attention timed as Megatron's local unfused path with PyTorch fp32 softmax (full s x s scores in HBM)",
+        "unfused_local": "core attention timed as Megatron's DotProductAttention (the local spec's, whatever attention_backend "
+                         "says): full s x s scores in HBM, softmax by the fused kernel (masked_softmax_fusion, up to 4,096 "
+                         "tokens) or PyTorch (bf16, fp32 with attention_softmax_in_fp32)",
     }[path])
     if plan.training.precision == "fp8":
         out.append("FP8 GEMMs for every transformer linear layer (TE), output layer and attention in bf16; cast/transpose bytes added")

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import gpu
+from mcore_advisor.knowledge.megatron_flags import FULL_RECOMPUTE_DEFAULT
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.memory import MemoryBreakdown, memory_breakdown
 from mcore_advisor.physics.step_time import hardware_params
@@ -123,10 +124,8 @@ def _allocator_and_kernels(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | N
     if im.transformer_impl == "local":
         yield _change(c, impl, "needs Transformer Engine installed (its fused LayerNorm-linear, activation and cuDNN "
                       "attention kernels)", transformer_impl="transformer_engine", attention_backend="flash")
+    # TE's fused cross entropy (2 B/logit) is not offered: Megatron-LM 0.19's validate_args refuses it.
     if purpose == "memory" and im.cross_entropy_loss_fusion and im.cross_entropy_fusion_impl == "native":
-        if im.transformer_impl == "transformer_engine":
-            yield _change(c, impl, "Transformer Engine's cross entropy writes the gradient into the bf16 logits: "
-                          "2 B/logit instead of 10", cross_entropy_fusion_impl="te")
         yield _change(c, impl, "unfused vocab-parallel cross entropy works in place: 6 B/logit instead of 10; a few "
                       "more kernels", cross_entropy_loss_fusion=False)
     if purpose == "speed" and not im.gradient_accumulation_fusion and not im.use_torch_fsdp2:
@@ -157,7 +156,8 @@ def _recompute(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
                       recompute_granularity="selective", recompute_modules=None)
     if rg != "full":
         yield _change(c, P, "reruns every layer's forward: ~25-33% more compute", recompute_granularity="full",
-                      recompute_method="uniform", recompute_num_layers=1, recompute_modules=None)
+                      recompute_method=FULL_RECOMPUTE_DEFAULT[0], recompute_num_layers=FULL_RECOMPUTE_DEFAULT[1],
+                      recompute_modules=None)
 
 
 def _batch_and_pipeline(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:

@@ -26,6 +26,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mcore_advisor.knowledge.hardware import gpu
+from mcore_advisor.knowledge.megatron_flags import FULL_RECOMPUTE_DEFAULT
 from mcore_advisor.knowledge.models import count_params, resolve_model
 from mcore_advisor.knowledge.runs import plan_for_run, published_runs
 from mcore_advisor.physics.evaluate import Evaluation, evaluate_plan
@@ -515,7 +516,7 @@ def _candidate_plan(request: RecommendRequest, inp: SearchInputs, out: SearchOut
         # Block over every layer of every chunk is the conventional uniform-1 full recompute.
         chunks = [n // lo.vp for n in _stages(inp.shape.num_layers, lo)]
         if k >= max(chunks):
-            method, k = "uniform", 1
+            method, k = FULL_RECOMPUTE_DEFAULT
     moe = inp.shape.is_moe
     par = ParallelismSpec(
         tensor_model_parallel_size=lo.tp,

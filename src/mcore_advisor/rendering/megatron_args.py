@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from mcore_advisor.knowledge import megatron_flags as table
 from mcore_advisor.knowledge.megatron_flags import FULL_RECOMPUTE_DEFAULT, Flag, RenderView
-from mcore_advisor.knowledge.models import catalog_model
+from mcore_advisor.knowledge.models import catalog_model, resolve_model
 from mcore_advisor.schemas import ModelShape, Plan, parallel_dims, with_changes
 
 if TYPE_CHECKING:
@@ -82,6 +82,18 @@ def as_rendered(plan: Plan, *, apex: bool) -> RenderedPlan:
         imp["attention_backend"] = "auto"
         notes.append("attention_backend 'local' not passed: Megatron's pretrain_gpt cannot take --spec local, so the "
                      "Transformer Engine layers pick their own kernel (auto); use transformer_impl 'local' for Megatron's own attention")
+    shape = resolve_model(plan.model)
+    if im.bias_activation_fusion and not shape.swiglu and not shape.add_bias_linear:
+        # validate_args: "Disable bias gelu fusion if we are disabling bias altogether" (bias_gelu_fusion
+        # is what TransformerConfig.bias_activation_fusion takes without --swiglu).
+        imp["bias_activation_fusion"] = False
+        notes.append("bias_activation_fusion off: Megatron turns the fused bias-GeLU off for models without linear biases")
+    if im.cross_entropy_loss_fusion and im.cross_entropy_fusion_impl == "te":
+        # validate_args (megatron-core 0.19.2): "Transformer Engine cross entropy loss fusion is disabled due to
+        # stability issues. Use --cross-entropy-fusion-impl native, or omit --cross-entropy-loss-fusion."
+        imp["cross_entropy_fusion_impl"] = "native"
+        notes.append("cross_entropy_fusion_impl 'te' rendered as native: Megatron-LM 0.19 refuses Transformer Engine's "
+                     "fused cross entropy (stability issues)")
     why = None
     if im.gradient_accumulation_fusion and fsdp:
         why = "FSDP2: Megatron's validate_args rejects gradient accumulation fusion with --use-torch-fsdp2"

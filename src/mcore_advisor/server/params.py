@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError, WithJsonSchema
 
+from mcore_advisor.knowledge.megatron_flags import FULL_RECOMPUTE_DEFAULT
 from mcore_advisor.schemas import Plan, TrainingSpec
 from mcore_advisor.server.errors import describe_validation_error, quote
 from mcore_advisor.tools.recommend import RecommendRequest
@@ -187,7 +188,8 @@ def _set_recompute(par: dict[str, Any], value: Any) -> None:
     if value == "selective":
         par["recompute_granularity"] = "selective"
     elif value == "full":  # every layer, one at a time: Megatron's --recompute-method uniform --recompute-num-layers 1
-        par.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        method, layers = FULL_RECOMPUTE_DEFAULT
+        par.update(recompute_granularity="full", recompute_method=method, recompute_num_layers=layers)
 
 
 def _one_model(args: Mapping[str, Any]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mcore_advisor.physics.evaluate import blocking_first, unmodelled_settings
+from mcore_advisor.physics.evaluate import blocking_first
 from mcore_advisor.physics.memory import MemoryBreakdown, memory_breakdown
 from mcore_advisor.planning.plan_changes import LOW_HEADROOM_FRACTION, MemoryChange, memory_fixes
 from mcore_advisor.schemas import Finding, Plan
@@ -39,7 +39,7 @@ def estimate_memory(plan: Plan) -> MemoryReport:
     CUDA context + NCCL buffers, and is what must stay below the GPU's capacity.
     """
     bd = memory_breakdown(plan)
-    findings = validate(plan) + unmodelled_settings(plan)
+    findings = validate(plan)
     valid = not any(f.severity == "error" for f in findings)
     imbalance = max(s.peak_allocated_bytes for s in bd.stages) / 2**30 - bd.least_loaded_peak_gib
     low = bd.headroom_gib < LOW_HEADROOM_FRACTION * bd.capacity_gib

@@ -112,6 +112,7 @@ class Ctx:
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     cross_entropy_fusion_impl: str = _default(ImplementationSpec, "cross_entropy_fusion_impl")
+    cross_entropy_loss_fusion: bool = _default(ImplementationSpec, "cross_entropy_loss_fusion")
     # derived
     etp: int = field(default=0, init=False)
     vp: int = field(default=1, init=False)  # model chunks per stage actually built (1 unless interleaved)

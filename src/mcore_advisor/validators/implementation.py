@@ -369,6 +369,24 @@ def _grouped(c: Ctx):
 
 
 @rule(
+    "te_cross_entropy_fusion_refused_by_megatron",
+    "error",
+    AREA,
+    "Megatron-LM refuses TE's fused cross entropy",
+    when=lambda c: c.cross_entropy_loss_fusion and c.cross_entropy_fusion_impl == "te",
+)
+def _te_ce_refused(c: Ctx):
+    # megatron/training/arguments.py validate_args (core_r0.19): asserts not (cross_entropy_loss_fusion
+    # and cross_entropy_fusion_impl == 'te'), "disabled due to stability issues".
+    return (
+        ["implementation.cross_entropy_fusion_impl", "implementation.cross_entropy_loss_fusion"],
+        "Megatron-LM 0.19 refuses --cross-entropy-loss-fusion with --cross-entropy-fusion-impl te "
+        "(TE's fused cross entropy is disabled for stability)",
+        "set implementation.cross_entropy_fusion_impl native, or cross_entropy_loss_fusion false",
+    )
+
+
+@rule(
     "te_cross_entropy_needs_transformer_engine",
     "error",
     AREA,

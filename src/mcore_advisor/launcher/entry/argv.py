@@ -15,7 +15,8 @@ ran (launcher/as_ran.py):
   persistent kernel, torch_norm.py WrappedTorchNorm);
 - without Megatron's compiled masked-softmax kernels (Apex / Megatron-LM builds; the wheel has
   none), `--no-masked-softmax-fusion`: megatron-core would import them at the first attention;
-- on the CPU, `--distributed-backend gloo`.
+- on the CPU, `--distributed-backend gloo`, and no `--record-memory-history` (a CUDA allocator
+  snapshot).
 
 `shrink` (CI only) turns a full-size argv into a couple of small layers on 1-2 CPU processes: it
 rewrites the size and layout flags only and keeps every other flag.
@@ -161,6 +162,8 @@ def for_machine(argv: Argv, machine: Machine, out_dir: str) -> tuple[Argv, list[
                why="Megatron's compiled masked-softmax kernels (scaled_*masked_softmax_cuda) are not installed")
     if not machine.cuda:
         ed.put("--distributed-backend", "gloo", why="CPU processes: gloo instead of NCCL")
+        for flag in ("--record-memory-history", "--memory-snapshot-path"):
+            ed.drop(flag, why="a CUDA caching-allocator snapshot; no CUDA allocator on the CPU")
     return ed.argv, ed.log
 
 

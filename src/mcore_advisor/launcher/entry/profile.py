@@ -59,6 +59,7 @@ from typing import Any
 
 from mcore_advisor.launcher.entry import argv as _argv
 from mcore_advisor.launcher.entry import flops as _flops
+from mcore_advisor.launcher.entry import result as _contract
 from mcore_advisor.launcher.entry import trace as _trace
 from mcore_advisor.launcher.entry import trainlog as _trainlog
 
@@ -573,17 +574,19 @@ class Job:
         if self.rank != 0 and self.mode != "memory_at_scale":
             return None
         gbs = args.global_batch_size
-        flops = {"causal": float(num_floating_point_operations(args, gbs)),
-                 "full": _flops.flops_per_iteration(self.spec["model"], args.seq_length, gbs, "full",
-                                                    padded_vocab=args.padded_vocab_size)}
-        result = self._base(rows, kinds, hooks)
+        # The full-s^2 count needs the spec's model shape, which a shrunk (CI) run does not have.
+        full = None if self.shrink else _flops.flops_per_iteration(self.spec["model"], args.seq_length, gbs, "full",
+                                                                   padded_vocab=args.padded_vocab_size)
+        flops = {"causal": float(num_floating_point_operations(args, gbs)), "full": full}
+        self.host = hooks.host
+        result = self._base(rows, kinds)
         result.update(self._timing(rows, kinds, flops, args))
         result.update(self._memory(rows))
         result["settings"] = _settings(args)
         result["transformer_impl"] = args.transformer_impl
         return result
 
-    def _base(self, rows, kinds, hooks) -> dict[str, Any]:
+    def _base(self, rows, kinds) -> dict[str, Any]:
         import torch
 
         device = torch.cuda.get_device_name() if self.use_cuda else (platform.processor() or platform.machine() or "cpu")
@@ -634,7 +637,7 @@ class Job:
         world = self.world
         peak = self.spec["gpu"]["bf16_dense_tflops"] if self.use_cuda else None
         tfl_c = flops["causal"] / (iter_s * 1e12 * world)
-        tfl_f = flops["full"] / (iter_s * 1e12 * world)
+        tfl_f = flops["full"] / (iter_s * 1e12 * world) if flops["full"] else None
         out.update({
             "measured_step_times_s": measured,
             "iter_s": iter_s,
@@ -646,7 +649,7 @@ class Job:
             "mfu_peak_tflops": peak,
             "mfu_peak_note": "dense BF16 peak of the spec's GPU (also for FP8 runs)" if peak else "peak unknown on CPU",
             "mfu_pct_causal": 100.0 * tfl_c / peak if peak else None,
-            "mfu_pct_full": 100.0 * tfl_f / peak if peak else None,
+            "mfu_pct_full": 100.0 * tfl_f / peak if peak and tfl_f else None,
         })
         out.update(self._trace(step, kinds))
         return out
@@ -708,6 +711,9 @@ class Job:
             "cpu_count": os.cpu_count(),
             "cpus_usable": usable,
             "local_processes_of_this_job": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            "cpu_steal_fraction_measured": self.host.steal_fraction,
+            "loadavg_1m_measure_start_end": list(self.host.loadavg_1m) if self.host.loadavg_1m else None,
+            "steal_source": "/proc/stat steal / total jiffies over the measured iterations (all CPUs of the machine)",
             "gc_pause_s_per_iteration": [max(r["gc_pause_s"][i] for r in rows) for i in range(n)],
             "gc_gen2_collections_per_iteration": [max(r["gc_gen2"][i] for r in rows) for i in range(n)],
             "gc_source": "Python gc.callbacks inside megatron.training's train_step of each iteration, worst rank",
@@ -722,7 +728,7 @@ _SETTINGS = (
     "masked_softmax_fusion", "no_persist_layer_norm", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl",
     "attention_softmax_in_fp32", "hidden_dropout", "attention_dropout", "use_distributed_optimizer",
     "overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "grad_reduce_in_bf16", "manual_gc", "manual_gc_interval",
-    "check_for_nan_in_loss_and_grad", "tp_comm_overlap", "fake_process_group",
+    "check_for_nan_in_loss_and_grad", "tp_comm_overlap", "fake_process_group", "use_torch_fsdp2",
 )
 
 
@@ -765,8 +771,14 @@ def _write_error(out: Path, rank: int, exc: BaseException) -> None:
 
 
 def _write_result(out: Path, result: dict[str, Any]) -> None:
+    text = json.dumps(result, indent=1, default=str)
+    problems = _contract.check(json.loads(text))
+    if problems:  # written all the same (the measurements stand); the notes say where the contract broke
+        print("\n".join(f"result.json contract: {p}" for p in problems), file=sys.stderr)
+        result["notes"] = [*result.get("notes", []), *(f"result.json contract (launcher/entry/result.py): {p}" for p in problems)]
+        text = json.dumps(result, indent=1, default=str)
     tmp = out / "result.json.tmp"
-    tmp.write_text(json.dumps(result, indent=1, default=str))
+    tmp.write_text(text)
     tmp.replace(out / "result.json")
 
 

@@ -1,0 +1,215 @@
+"""result.json of a profile job: one typed structure that entry/profile.py writes and get_job reads.
+
+The entry runs where pydantic is absent, so the contract is TypedDicts (the keys and their JSON types)
+with `check(result)`, a small runtime check of a written result against them, and `measured(result,
+figure)`: each figure get_job compares with the prediction, by name, from its one key. No torch, no
+pydantic, nothing outside the standard library.
+"""
+
+# No `from __future__ import annotations`: TypedDict reads NotRequired from evaluated annotations only.
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, NotRequired, TypedDict
+
+
+class RankIds(TypedDict):
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    cp_rank: int
+    ep_rank: int
+    num_params_local: int | None
+
+
+class ArgvAdjustment(TypedDict):
+    """entry/argv.py Adjustment.as_dict: one change the machine made to the rendered argv."""
+
+    flag: str
+    action: str
+    values: list[str]
+    why: str
+
+
+class MegatronLines(TypedDict):
+    """Megatron's own console lines the figures come from."""
+
+    iteration_lines: list[str]
+    memory_lines: list[str]
+    timer_lines: list[str]
+    theoretical_memory_lines: list[str]
+
+
+class HostReport(TypedDict):
+    cpu_count: int | None
+    cpus_usable: int | None
+    local_processes_of_this_job: int
+    cpu_steal_fraction_measured: float | None
+    loadavg_1m_measure_start_end: list[float] | None
+    steal_source: str
+    gc_pause_s_per_iteration: list[float]
+    gc_gen2_collections_per_iteration: list[int]
+    gc_source: str
+
+
+class Versions(TypedDict):
+    torch: str
+    megatron_core: str
+    transformer_engine: str | None
+    cuda: str | None
+    python: str
+
+
+class MemoryMb(TypedDict):
+    """torch's caching-allocator counters at one point (MB = 2^20 B; RSS on a CPU)."""
+
+    allocated_mb: float
+    max_allocated_mb: float
+    reserved_mb: float
+    max_reserved_mb: float
+
+
+Mode = Literal["profile", "memory_at_scale"]
+
+
+class ProfileResult(TypedDict):
+    """result.json. Per-rank lists are in rank order (one entry for a memory_at_scale job)."""
+
+    status: Literal["ok"]
+    mode: Mode
+    measured_rank: int | None
+    device: str
+    world_size: int
+    processes: int
+    versions: Versions
+    megatron_argv: list[str]
+    argv_adjustments: list[ArgvAdjustment]
+    notes: list[str]
+    iterations: list[str]
+    """Kind of each iteration: warmup, profile, measure or extra (entry/profile.py iteration_plan)."""
+    ranks: list[RankIds]
+    megatron: MegatronLines
+    host: HostReport
+    spec: dict[str, Any]
+    step_times_s: list[float]
+    step_times_source: str
+    host_step_times_s: list[float]
+    losses: list[float | str | None]
+    grad_norms: list[float | str | None]
+    megatron_tflops_per_gpu: list[float | str | None]
+    flops_per_iteration_causal: float
+    flops_per_iteration_full: float | None
+    flops_source: str
+    # The measured window: absent when no iteration was measured.
+    measured_step_times_s: NotRequired[list[float]]
+    iter_s: NotRequired[float]
+    """Median of the measured iterations' step times (Megatron's 'elapsed time per iteration')."""
+    iter_s_mean: NotRequired[float]
+    iter_s_min: NotRequired[float]
+    tokens_per_s_per_gpu: NotRequired[float]
+    tflops_per_gpu_causal: NotRequired[float]
+    tflops_per_gpu_full: NotRequired[float | None]
+    mfu_peak_tflops: NotRequired[float | None]
+    mfu_peak_note: NotRequired[str]
+    mfu_pct_causal: NotRequired[float | None]
+    mfu_pct_full: NotRequired[float | None]
+    trace: NotRequired[str | None]
+    exposed_comm_s: NotRequired[float | None]
+    comm_s: NotRequired[float | None]
+    exposed_comm_method: NotRequired[str | None]
+    device_busy_s_per_profiled_iteration: NotRequired[float | None]
+    device_idle_fraction: NotRequired[float | None]
+    peak_allocated_gib: list[float]
+    peak_reserved_gib: list[float]
+    memory_source: str
+    memory_after_setup_mb: list[MemoryMb | None]
+    memory_after_iteration_mb: list[dict[str, MemoryMb]]
+    """Per rank: iteration number (as text) -> memory right after it."""
+    memory_read_after_iteration: NotRequired[int]
+    """memory_at_scale: the iteration after which peak_allocated_gib was read."""
+    settings: dict[str, Any]
+    """Megatron's parsed arguments that decide what a run costs (launcher/as_ran.py reads them)."""
+    transformer_impl: str
+
+
+# --------------------------------------------------------------------------- the figures get_job compares
+
+Figure = Literal["iteration_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu_causal", "peak_allocated_gib"]
+
+#: figure -> (result key, how the figure is read from it)
+MEASURED: dict[str, tuple[str, str]] = {
+    "iteration_time_s": ("iter_s", "median step time of the measured iterations"),
+    "tokens_per_s_per_gpu": ("tokens_per_s_per_gpu", "global batch x sequence / iter_s / world size"),
+    "tflops_per_gpu_causal": ("tflops_per_gpu_causal", "Megatron's num_floating_point_operations / iter_s / world size"),
+    "peak_allocated_gib": ("peak_allocated_gib", "the largest of the ranks' peaks (the most-loaded rank)"),
+}
+
+
+def _finite(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def measured(result: Mapping[str, Any], figure: str) -> float | None:
+    """One named figure of a result (None when the job did not measure it); per-rank lists give their maximum."""
+    value = result.get(MEASURED[figure][0])
+    if isinstance(value, list):
+        nums = [n for n in map(_finite, value) if n is not None]
+        return max(nums) if nums else None
+    return _finite(value)
+
+
+def measured_on_cpu(result: Mapping[str, Any]) -> bool:
+    """The entry reports no MFU peak and RSS-based memory when it ran without CUDA."""
+    return result.get("mfu_peak_tflops") is None and "RSS" in str(result.get("memory_source", ""))
+
+
+# --------------------------------------------------------------------------- checking a written result
+
+def _type_problems(value: Any, annotation: Any, where: str) -> list[str]:
+    """Where `value` (JSON) is not of `annotation`; [] when it is."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return []
+    if origin in (typing.Union, types.UnionType):
+        tries = [_type_problems(value, a, where) for a in args]
+        return [] if any(not t for t in tries) else [f"{where}: {value!r:.60} is not {annotation}"]
+    if origin is Literal:
+        return [] if value in args else [f"{where}: {value!r} is not one of {args}"]
+    if origin is list:
+        if not isinstance(value, list):
+            return [f"{where}: expected a list, got {type(value).__name__}"]
+        return [p for i, v in enumerate(value) for p in _type_problems(v, args[0], f"{where}[{i}]")]
+    if origin is dict:
+        if not isinstance(value, dict):
+            return [f"{where}: expected an object, got {type(value).__name__}"]
+        return [p for k, v in value.items() for p in _type_problems(v, args[1], f"{where}.{k}")]
+    if typing.is_typeddict(annotation):
+        return _typed_dict_problems(value, annotation, where)
+    if annotation is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif annotation is type(None):
+        ok = value is None
+    else:
+        ok = isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
+    return [] if ok else [f"{where}: {value!r:.60} is not {getattr(annotation, '__name__', annotation)}"]
+
+
+def _typed_dict_problems(value: Any, cls: type, where: str) -> list[str]:
+    if not isinstance(value, dict):
+        return [f"{where}: expected an object, got {type(value).__name__}"]
+    hints = typing.get_type_hints(cls)
+    out = [f"{where}.{k}: missing" for k in hints if k in cls.__required_keys__ and k not in value]
+    out += [f"{where}.{k}: not in the contract (launcher/entry/result.py)" for k in value if k not in hints]
+    for k, v in value.items():
+        if k in hints:
+            out += _type_problems(v, hints[k], f"{where}.{k}")
+    return out
+
+
+def check(result: Mapping[str, Any]) -> list[str]:
+    """Every way `result` differs from ProfileResult (missing, unknown or mistyped keys); [] when it matches."""
+    return _typed_dict_problems(dict(result), ProfileResult, "result")
