@@ -92,46 +92,59 @@ def dpa():
             torch.cuda.empty_cache()
 
 
+def _sdpa_case(b, n, s, name, be, p):
+    from torch.nn.attention import sdpa_kernel
+
+    q, k, v = (torch.randn(b, n, s, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(b, n, s, 128, device=dev, dtype=torch.bfloat16)
+
+    def fb():
+        with sdpa_kernel(be):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p).backward(do)
+    try:
+        t = bench(fb)
+        emit(kind="sdpa", backend=name, b=b, n=n, s=s, dropout=p, fwd_bwd_s=t,
+             tflops_causal=3.5 * 2 * 2 * b * n * s * s * 128 * 0.5 / t / 1e12)
+    except Exception as e:  # noqa: BLE001
+        emit(kind="sdpa", backend=name, b=b, n=n, s=s, dropout=p, error=repr(e)[:300])
+
+
 def sdpa():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     for b, n, s in ((4, 16, 2048), (2, 16, 4096), (1, 16, 8192)):
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             for p in (0.0, 0.1):
-                q, k, v = (torch.randn(b, n, s, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-                do = torch.randn(b, n, s, 128, device=dev, dtype=torch.bfloat16)
+                _sdpa_case(b, n, s, name, be, p)
 
-                def fb():
-                    with sdpa_kernel(be):
-                        F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p).backward(do)
-                try:
-                    t = bench(fb)
-                    emit(kind="sdpa", backend=name, b=b, n=n, s=s, dropout=p, fwd_bwd_s=t,
-                         tflops_causal=3.5 * 2 * 2 * b * n * s * s * 128 * 0.5 / t / 1e12)
-                except Exception as e:  # noqa: BLE001
-                    emit(kind="sdpa", backend=name, b=b, n=n, s=s, dropout=p, error=repr(e)[:300])
+
+def _dropout_case(rows, h, p):
+    x = torch.randn(rows, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    res = torch.randn_like(x)
+    t = bench(lambda: (F.dropout(x, p, training=True) + res).backward(g))
+    emit(kind="hidden_dropout_add", rows=rows, h=h, dropout=p, fwd_bwd_s=t, elems=rows * h)
 
 
 def dropout():
     for rows, h in ((8192, 2048), (16384, 4096)):
-        x = torch.randn(rows, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        g = torch.randn_like(x)
-        res = torch.randn_like(x)
         for p in (0.0, 0.1):
-            t = bench(lambda p=p: (F.dropout(x, p, training=True) + res).backward(g))
-            emit(kind="hidden_dropout_add", rows=rows, h=h, dropout=p, fwd_bwd_s=t, elems=rows * h)
+            _dropout_case(rows, h, p)
+
+
+def _norm_case(rows, h):
+    x = torch.randn(rows, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    w = torch.ones(h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    bb = torch.zeros(h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    tl = bench(lambda: F.layer_norm(x, (h,), w, bb).backward(g))
+    tr = bench(lambda: F.rms_norm(x, (h,), w).backward(g))
+    emit(kind="torch_norm", rows=rows, h=h, layernorm_fwd_bwd_s=tl, rmsnorm_fwd_bwd_s=tr, bytes_fwd_bwd=5 * 2 * rows * h)
 
 
 def norms():
     for rows, h in ((8192, 2048), (16384, 4096)):
-        x = torch.randn(rows, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        g = torch.randn_like(x)
-        w = torch.ones(h, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        bb = torch.zeros(h, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        tl = bench(lambda: F.layer_norm(x, (h,), w, bb).backward(g))
-        tr = bench(lambda: F.rms_norm(x, (h,), w).backward(g))
-        emit(kind="torch_norm", rows=rows, h=h, layernorm_fwd_bwd_s=tl, rmsnorm_fwd_bwd_s=tr,
-             bytes_fwd_bwd=5 * 2 * rows * h)
+        _norm_case(rows, h)
 
 
 def host():

@@ -129,6 +129,8 @@ class ParallelismSpec(BaseModel):
     virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1, le=128, description="Model chunks per PP stage for the interleaved schedule; None = not interleaved. Ignored (warning) when PP = 1.")
     decoder_first_pipeline_num_layers: int | None = Field(None, ge=0, le=MAX_NUM_LAYERS, description="Layers on the first PP stage when the split is uneven (e.g. 126 layers on PP16); None = even split. The remaining layers split evenly over the other stages.")
     decoder_last_pipeline_num_layers: int | None = Field(None, ge=0, le=MAX_NUM_LAYERS, description="Layers on the last PP stage when the split is uneven; None = even split.")
+    account_for_embedding_in_pipeline_split: bool = Field(False, description="--account-for-embedding-in-pipeline-split: count the input embedding as one layer when splitting, so the first stage builds one decoder layer fewer ((num_layers + 1 [+ 1]) must divide by PP, and by PP * VP when interleaved). Not with decoder_first/last_pipeline_num_layers.")
+    account_for_loss_in_pipeline_split: bool = Field(False, description="--account-for-loss-in-pipeline-split: count the output layer and loss as one layer when splitting, so the last stage builds one decoder layer fewer. Not with decoder_first/last_pipeline_num_layers.")
     context_parallel_size: int = Field(1, ge=1, le=1024, description="CP degree: the sequence split across GPUs (ring attention).")
     expert_model_parallel_size: int = Field(1, ge=1, le=4096, description="EP degree: experts split across GPUs.")
     expert_tensor_parallel_size: int | None = Field(None, ge=1, le=1024, description="TP degree inside experts; None = tensor_model_parallel_size (Megatron's default).")
@@ -137,7 +139,7 @@ class ParallelismSpec(BaseModel):
     recompute_granularity: Literal["selective", "full"] | None = Field(None, description="Activation recomputation: None, 'selective' (core attention and the modules in recompute_modules), or 'full' (whole layers).")
     recompute_method: Literal["uniform", "block"] | None = Field(None, description="With full recompute: 'uniform' (groups of recompute_num_layers) or 'block' (the first recompute_num_layers layers of each stage).")
     recompute_num_layers: int | None = Field(None, ge=1, le=MAX_NUM_LAYERS, description="With full recompute: layers per group (uniform) or layers recomputed per stage (block).")
-    recompute_modules: list[Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"]] | None = Field(None, description="With selective recompute: modules recomputed; None = Megatron's default ['core_attn'].")
+    recompute_modules: list[Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts", "gdn_norm_out"]] | None = Field(None, description="With selective recompute: modules recomputed (Megatron-LM 0.19's --recompute-modules choices); None = Megatron's default ['core_attn'].")
     overlap_grad_reduce: bool = Field(True, description="Overlap DP gradient reduce-scatter with backward.")
     overlap_param_gather: bool = Field(True, description="Overlap distributed-optimizer parameter all-gather with forward.")
     tp_comm_overlap: bool = Field(False, description="TE userbuffers overlap of TP/SP communication with GEMMs (needs TE and SP).")
@@ -341,18 +343,32 @@ def parallel_dims(plan: Plan) -> ParallelDims:
     )
 
 
-def layers_per_stage(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
-    """Decoder layers on each PP stage, as Megatron splits them (get_num_layers_to_build).
+def layers_per_stage(num_layers: int, pp: int, first: int | None = None, last: int | None = None, *,
+                     embedding: bool = False, loss: bool = False) -> list[int]:
+    """Decoder layers on each PP stage (summed over its model chunks), as Megatron builds them
+    (transformer_block.get_num_layers_to_build).
 
     Even split unless decoder_first/last_pipeline_num_layers are set; then the middle stages share the
-    rest evenly. Raises ValueError when the split is impossible (the validators report it with a fix).
+    rest evenly. `embedding`/`loss` (--account-for-embedding/loss-in-pipeline-split) count the embedding
+    and the output layer + loss as one layer each in an even split, taken off the first/last stage.
+    Raises ValueError when the split is impossible (the validators report it with a fix). The interleaved
+    (VP) divisibility rules are the validators' (stage_layers_not_divisible_by_vp).
     """
+    if (embedding or loss) and (first is not None or last is not None):
+        # TransformerConfig.__post_init__ raises this (ValueError).
+        raise ValueError("decoder_first/last_pipeline_num_layers cannot be set together with "
+                         "account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split")
     if pp == 1:
         return [num_layers]
     if first is None and last is None:
-        if num_layers % pp:
-            raise ValueError(f"num_layers ({num_layers}) is not divisible by pipeline_model_parallel_size ({pp})")
-        return [num_layers // pp] * pp
+        slots = num_layers + embedding + loss
+        if slots % pp:
+            what = "num_layers" + (" + 1 (embedding)" if embedding else "") + (" + 1 (loss)" if loss else "")
+            raise ValueError(f"{what} ({slots}) is not divisible by pipeline_model_parallel_size ({pp})")
+        out = [slots // pp] * pp
+        out[0] -= embedding
+        out[-1] -= loss
+        return out
     middle_stages = pp - (first is not None) - (last is not None)
     rest = num_layers - (first or 0) - (last or 0)
     if middle_stages == 0:

@@ -538,3 +538,27 @@ def test_memory_arrays_on_a_mixed_batch_is_memory_breakdown_row_by_row():
         bd = memory_breakdown(p)
         assert m.total_gib[i] == pytest.approx(bd.total_gib, rel=1e-12)
         assert m.peak_allocated_bytes[i] == pytest.approx(bd.peak_allocated_gib * GIB, rel=1e-12)
+
+
+def test_local_spec_stores_the_scores_whatever_the_attention_backend():
+    # Megatron-LM's local spec always builds DotProductAttention (LocalSpecProvider.core_attention), so
+    # 'auto' is not torch SDPA: GPT 1.3B mbs 4 holds 2 B x 16 heads x 4 x 2048^2 per layer more than TE's.
+    def plan(**im):
+        return Plan(model=ModelSpec(name="gpt3-1.3b"), cluster=ClusterSpec(gpu="h100-sxm", num_gpus=1),
+                    training=TrainingSpec(seq_length=2048, global_batch_size=32, micro_batch_size=4),
+                    implementation=ImplementationSpec(**im))
+    peaks = {ab: memory_breakdown(plan(transformer_impl="local", attention_backend=ab)).peak_allocated_gib
+             for ab in ("auto", "flash", "fused", "local")}
+    assert len(set(peaks.values())) == 1
+    te = memory_breakdown(plan()).activations_gib
+    local = memory_breakdown(plan(transformer_impl="local")).activations_gib
+    assert local - te > 24 * 2 * 16 * 4 * 2048 * 2048 / GIB
+
+
+def test_hidden_dropout_keeps_a_one_byte_mask_per_bias_dropout_add_output():
+    # two bias-dropout-adds per layer, each a 1-byte mask of s x b x h: 24 layers x 2 x 2048 x 4 x 2048 B
+    def acts(p):
+        return memory_breakdown(Plan(model=ModelSpec(name="gpt3-1.3b"), cluster=ClusterSpec(gpu="h100-sxm", num_gpus=1),
+                                     training=TrainingSpec(seq_length=2048, global_batch_size=32, micro_batch_size=4,
+                                                           hidden_dropout=p))).activations_gib
+    assert (acts(0.1) - acts(0.0)) * GIB == pytest.approx(24 * 2 * 2048 * 4 * 2048)

@@ -387,3 +387,38 @@ def test_unfused_weight_gradient_accumulation_costs_a_streaming_add_per_weight()
     extra = unfused.breakdown.elementwise_s - fused.breakdown.elementwise_s
     assert extra == pytest.approx(4 * per_mb, rel=1e-3)  # 4 micro-batches
     assert unfused.tokens_per_s_per_gpu < fused.tokens_per_s_per_gpu
+
+
+def test_flash_attention_dropout_costs_its_philox_draws_forward_and_backward():
+    # TE's fused kernel regenerates the dropout bits in backward: DROPOUT_RNG_OPS_PER_SCORE integer ops per
+    # score over the causal half, at the INT32 rate (dense BF16 peak / 64 on Hopper).
+    def attn(p):
+        plan = _plan("gpt3-1.3b", num_gpus=1, gbs=8, s=2048, mbs=4, host=0)
+        plan = plan.model_copy(update={"training": plan.training.model_copy(update={"attention_dropout": p})})
+        return step_time(plan).breakdown.attention_s
+    scores = 24 * 8 * 16 * 2048 * 2048  # layers x samples per step x heads x s^2
+    rate = hardware_params(ClusterSpec(gpu="h100-sxm", num_gpus=1)).peak_bf16_tflops * 1e12 / 64
+    assert attn(0.1) - attn(0.0) == pytest.approx(perf.DROPOUT_RNG_OPS_PER_SCORE * 0.5 * scores / rate, rel=1e-6)
+
+
+def test_a_host_bound_prediction_is_flagged_and_reported_as_a_finding():
+    from mcore_advisor.physics.evaluate import evaluate_plan
+
+    small = _plan("gpt3-1.3b", gpu="h100-sxm", num_gpus=1, s=2048, gbs=32, mbs=1)
+    ev = evaluate_plan(small)
+    assert ev.performance.host_bound
+    hit = [f for f in ev.findings if f.code == "host_bound"]
+    assert len(hit) == 1 and "training.micro_batch_size" in hit[0].fields and "host-bound" in hit[0].message
+    fast_host = evaluate_plan(_plan("gpt3-1.3b", gpu="h100-sxm", num_gpus=1, s=2048, gbs=32, mbs=1, host=0))
+    assert not fast_host.performance.host_bound and not any(f.code == "host_bound" for f in fast_host.findings)
+
+
+def test_te_grouped_experts_cost_the_host_less_than_a_python_loop_over_experts():
+    # TE's GroupedLinear launches the per-expert GEMMs from one call; SequentialMLP (moe_grouped_gemm off,
+    # or the local spec) runs each expert's MLP module from Python.
+    moe = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000, num_experts=8,
+               moe_router_topk=2, moe_ffn_hidden_size=2816, swiglu=True)
+    kw = dict(gpu="h100-sxm", num_gpus=1, s=2048, gbs=32, mbs=1)
+    grouped = step_time(_plan(moe, impl=dict(moe_grouped_gemm=True), **kw))
+    looped = step_time(_plan(moe, impl=dict(moe_grouped_gemm=False), **kw))
+    assert looped.breakdown.host_bound_s > grouped.breakdown.host_bound_s > 0

@@ -515,3 +515,15 @@ def test_rendered_argv_lets_megatron_size_its_validation_set(name):
     train_iters = int(_flag_values(argv, "--train-iters")[0])
     assert interval >= 1
     assert (train_iters // interval + 1) * iters == 0  # no validation batches when none were asked for
+
+
+def test_local_spec_without_apex_turns_the_masked_softmax_kernel_off():
+    # Megatron's DotProductAttention imports Apex's compiled masked-softmax kernels for s <= 4096: without
+    # Apex the script must pass --no-masked-softmax-fusion, and the plan as rendered says so.
+    from mcore_advisor.rendering.megatron_args import as_rendered
+
+    local = Plan.model_validate({"model": {"name": "gpt3-1.3b"}, "cluster": {"num_gpus": 1},
+                                 "implementation": {"transformer_impl": "local"}})
+    off = as_rendered(local, apex=False)
+    assert off.plan.implementation.masked_softmax_fusion is False and any("masked_softmax_fusion" in n for n in off.notes)
+    assert as_rendered(local, apex=True).plan.implementation.masked_softmax_fusion is True

@@ -34,7 +34,7 @@ def _sandbox(tmp: Path, pytest_rc: int) -> Path:
     _exe(repo / ".venv" / "bin" / "python", rec + f'case "$*" in *pytest*) exit {pytest_rc};; esac\n')
     fake = tmp / "bin"
     _exe(fake / "id", "#!/bin/bash\necho 0\n")
-    for name in ("apt-get", "shellcheck"):
+    for name in ("apt-get", "shellcheck", "python3.12"):  # test.sh asks for Python 3.12 by name
         _exe(fake / name, rec)
     return repo
 

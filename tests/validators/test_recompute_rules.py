@@ -151,3 +151,88 @@ def test_block_recompute_skips_mtp_layers(kit):
     )
     f = kit.one(p, "mtp_block_recompute_skipped")
     assert f.severity == "warning" and "uniform" in f.fix
+
+
+# ------------------------------------------- every --recompute-modules choice (issue 16, part 3)
+
+import typing  # noqa: E402
+
+import pytest  # noqa: E402
+
+from mcore_advisor.knowledge import megatron_flags as table  # noqa: E402
+from mcore_advisor.knowledge.megatron_flags import RenderView  # noqa: E402
+from mcore_advisor.knowledge.models import resolve_model  # noqa: E402
+from mcore_advisor.schemas import ParallelismSpec  # noqa: E402
+
+# Megatron-LM 0.19.2 TransformerConfig.__post_init__ allowed_modules for recompute_modules.
+MEGATRON_RECOMPUTE_MODULES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts",
+                              "gdn_norm_out"}
+
+
+def _schema_modules() -> set[str]:
+    ann = ParallelismSpec.model_fields["recompute_modules"].annotation
+    (lst,) = [a for a in typing.get_args(ann) if a is not type(None)]
+    return set(typing.get_args(typing.get_args(lst)[0]))
+
+
+def test_the_schema_offers_exactly_megatrons_recompute_modules():
+    assert _schema_modules() == MEGATRON_RECOMPUTE_MODULES
+
+
+@pytest.mark.slow
+def test_megatrons_own_allowed_modules_are_the_schemas():
+    tc = pytest.importorskip("megatron.core.transformer.transformer_config")
+    import inspect
+
+    src = inspect.getsource(tc.TransformerConfig.__post_init__)
+    block = src[src.index("allowed_modules = {"):]
+    block = block[:block.index("}")]
+    assert {m for m in _schema_modules() if f'"{m}"' in block} == _schema_modules()
+    assert block.count('"') // 2 == len(_schema_modules())
+
+
+def _sel(kit, modules, model=None, **impl):
+    # DeepSeek-V2-Lite: MLA, MoE with shared experts, grouped GEMM: every module but gdn_norm_out applies.
+    return kit.plan(model=model or kit.DSV2_LITE, cluster={"num_gpus": 64},
+                    parallelism={"pipeline_model_parallel_size": 1, "expert_model_parallel_size": 8,
+                                 "recompute_granularity": "selective", "recompute_modules": modules},
+                    implementation=impl)
+
+
+@pytest.mark.parametrize("module", sorted(MEGATRON_RECOMPUTE_MODULES - {"gdn_norm_out"}))
+def test_each_module_is_valid_on_a_model_that_has_it_and_round_trips_through_the_flag_table(kit, module):
+    plan = _sel(kit, [module])
+    assert not [f for f in kit.findings(plan) if f.severity == "error" and f.fields[0].startswith("parallelism.recompute")]
+    flags = table.render(RenderView(plan, resolve_model(plan.model), None, None, []), "layout")
+    argv = [a for f in flags for a in f.argv]
+    i = argv.index("--recompute-modules")
+    assert argv[i + 1] == module and argv[argv.index("--recompute-granularity") + 1] == "selective"
+    back = table.parse({"recompute_granularity": "selective", "recompute_modules": [module]}).sections["parallelism"]
+    assert back["recompute_modules"] == [module]
+
+
+def test_all_modules_together_round_trip_in_order(kit):
+    mods = ["core_attn", "mlp", "moe", "moe_act", "layernorm", "mla_up_proj", "shared_experts"]
+    plan = _sel(kit, mods)
+    argv = [a for f in table.render(RenderView(plan, resolve_model(plan.model), None, None, []), "layout") for a in f.argv]
+    i = argv.index("--recompute-modules")
+    assert argv[i + 1:i + 1 + len(mods)] == mods
+    assert table.parse({"recompute_granularity": "selective", "recompute_modules": mods}).sections[
+        "parallelism"]["recompute_modules"] == mods
+
+
+def test_gdn_norm_out_needs_gated_delta_net_as_megatron_raises(kit):
+    f = kit.one(_sel(kit, ["gdn_norm_out"]), "recompute_gdn_norm_out_without_gated_delta_net")
+    assert f.severity == "error" and f.fields == ["parallelism.recompute_modules"]
+    assert "experimental_attention_variant='gated_delta_net'" in f.message
+
+
+def test_moe_recompute_keeps_no_moe_activations_and_saves_more_than_moe_act(kit):
+    from mcore_advisor.physics.memory import memory_breakdown
+
+    def act(mods):
+        return memory_breakdown(_sel(kit, mods)).stages[0].activations_bytes
+
+    none, moe_act, moe = act(["layernorm"]), act(["layernorm", "moe_act"]), act(["layernorm", "moe"])
+    # The 'moe' checkpoint covers router, dispatch, experts, combine and shared experts (MoELayer.forward).
+    assert moe < moe_act < none

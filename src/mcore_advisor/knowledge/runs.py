@@ -305,6 +305,8 @@ def _recompute(run: PublishedRun, assumptions: list[str]) -> dict:
             out["recompute_modules"] = ["core_attn"]
         if ":" in r:
             names = {"norm": "layernorm", "act": "moe_act", "shared_expert": "shared_experts", "attn": "core_attn", "mla_up_proj": "mla_up_proj"}
+            # Megatron's own --recompute-modules names read as themselves.
+            names.update((m, m) for m in ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts"))
             out["recompute_modules"] = [names[m.strip()] for m in r.split(":", 1)[1].split(",") if m.strip() in names]
         return out
     assumptions.append(f"recompute '{run.recompute}' not understood: none assumed")
@@ -373,6 +375,7 @@ def plan_for_run(run: PublishedRun) -> RunPlan | None:
     if m:
         args["expert_tensor_parallel_size"] = int(m.group(1))
     args.update(_recompute(run, a))
+    args.update(_pipeline_split(resolve_model(model).num_layers, pp, run.virtual_pipeline_model_parallel_size or 1, a))
     args.update(_layout_practice(run, tp, "sequence_parallel" in args, a))
     args.update(_precision_args(run, a))
     args.update(_implementation_args(run, a))
@@ -384,6 +387,20 @@ def plan_for_run(run: PublishedRun) -> RunPlan | None:
     plan = Plan(model=model, cluster={"gpu": run.gpu, "num_gpus": run.num_gpus}, training=sections["training"],
                 parallelism=sections["parallelism"], implementation=impl)
     return RunPlan(run=run, catalog_model=key, plan=plan, assumptions=a)
+
+
+def _pipeline_split(num_layers: int, pp: int, vp: int, a: list[str]) -> dict:
+    """Megatron's embedding/loss-aware split when the layers alone do not divide over PP x VP chunks.
+
+    A row that ran needs a split Megatron builds: an even one, or (num_layers + 2) over PP x VP with
+    --account-for-embedding/loss-in-pipeline-split (Megatron-Bridge/MoE-recipe practice, e.g. Qwen3-235B's
+    94 layers on PP8 VP4). decoder_first/last_pipeline_num_layers need each stage divisible by VP too.
+    """
+    if pp == 1 or num_layers % (pp * vp) == 0 or (num_layers + 2) % (pp * vp):
+        return {}
+    a.append(f"pipeline split not published: {num_layers} layers do not divide over PP {pp} x VP {vp}; "
+             "--account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split assumed")
+    return {"account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True}
 
 
 def _layout_practice(run: PublishedRun, tp: int, sp_published: bool, a: list[str]) -> dict:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from mcore_advisor.schemas import ImplementationSpec, ModelShape, Plan, parallel_dims
+from mcore_advisor.schemas import ImplementationSpec, ModelShape, Plan, layers_per_stage, parallel_dims
 
 # recompute codes of LayoutBatch.recompute
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
@@ -240,8 +240,7 @@ class LayoutBatch:
             overlap_param_gather=p.overlap_param_gather, tp_comm_overlap=p.tp_comm_overlap,
             recompute=_RECOMPUTE_CODES[p.recompute_granularity], recompute_block=p.recompute_method == "block",
             recompute_num_layers=p.recompute_num_layers or 0,
-            first_stage_layers=_or_unset(p.decoder_first_pipeline_num_layers, d.pp),
-            last_stage_layers=_or_unset(p.decoder_last_pipeline_num_layers, d.pp),
+            **dict(zip(("first_stage_layers", "last_stage_layers"), _split_code(p, shape.num_layers, d.pp))),
         )
 
 
@@ -250,6 +249,21 @@ _DEFAULT_IMPL = Implementation.of(ImplementationSpec())
 
 def _or_unset(layers: int | None, pp: int) -> int:
     return -1 if layers is None or pp == 1 else layers
+
+
+def _split_code(p, num_layers: int, pp: int) -> tuple[int, int]:
+    """(first, last) stage layers as a row encodes them. --account-for-embedding/loss-in-pipeline-split
+    becomes the first/last stage layer counts Megatron builds (schemas.layers_per_stage); the middle
+    stages are then the same. A split Megatron rejects keeps the even encoding (the validators report it)."""
+    emb, loss = p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split
+    if pp == 1 or not (emb or loss) or p.decoder_first_pipeline_num_layers is not None \
+            or p.decoder_last_pipeline_num_layers is not None:
+        return _or_unset(p.decoder_first_pipeline_num_layers, pp), _or_unset(p.decoder_last_pipeline_num_layers, pp)
+    try:
+        stages = layers_per_stage(num_layers, pp, embedding=emb, loss=loss)
+    except ValueError:
+        return -1, -1
+    return stages[0], stages[-1]
 
 
 def stage_split(first: int, last: int) -> tuple[int | None, int | None]:

@@ -419,6 +419,11 @@ def _mlp_terms(shape: ModelShape, o: ActivationOptions, c: _LayerTokens, moe_lay
     f_mult = 2 if shape.swiglu else 1
     if not (moe_layer and shape.num_experts):
         return {"mlp_activations": 0.0 if "mlp" in rec else _mlp_bytes(shape.ffn_hidden_size, f_mult, tok, t, gemm_in, o.fused_activation)}
+    if "moe" in rec:
+        # MoELayer.forward (moe_layer_recompute) checkpoints route, dispatch, experts, combine and the
+        # shared experts as one function: only the layer's input (the norm output, counted there) is kept.
+        return dict.fromkeys(("moe_router", "moe_dispatched_tokens", "moe_expert_activations", "moe_combine",
+                              "mlp_activations"), 0.0)
     terms: dict[str, float] = {}
     E, k, f_e = shape.num_experts, shape.moe_router_topk, shape.moe_ffn_hidden_size
     etp = o.etp
@@ -429,15 +434,11 @@ def _mlp_terms(shape: ModelShape, o: ActivationOptions, c: _LayerTokens, moe_lay
     # exchanges them evenly), gathered over ETP ranks; x imbalance for skewed routing.
     n_e = tok_moe * k * etp * o.moe_token_imbalance
     terms["moe_dispatched_tokens"] = gemm_in * h * n_e
-    if "moe" in rec:
-        act = 0.0
-    else:
-        # 'moe_act' recompute reruns the activation: its output (the fc2 input) is not kept.
-        act_in = 2.0 * f_mult * f_e * n_e / etp
-        fc2_in = 0.0 if "moe_act" in rec else gemm_in * f_e * n_e / etp
-        silu = 0.0 if o.fused_activation or not shape.swiglu else 2.0 * f_e * n_e / etp
-        act = act_in + fc2_in + silu
-    terms["moe_expert_activations"] = act
+    # 'moe_act' recompute reruns the activation: its output (the fc2 input) is not kept.
+    act_in = 2.0 * f_mult * f_e * n_e / etp
+    fc2_in = 0.0 if "moe_act" in rec else gemm_in * f_e * n_e / etp
+    silu = 0.0 if o.fused_activation or not shape.swiglu else 2.0 * f_e * n_e / etp
+    terms["moe_expert_activations"] = act_in + fc2_in + silu
     # moe_unpermute keeps the expert outputs to form the gradient of the routing probs.
     terms["moe_combine"] = 2.0 * h * tok_moe * k * o.moe_token_imbalance
     f_sh = shape.moe_shared_expert_intermediate_size

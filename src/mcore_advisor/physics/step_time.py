@@ -23,8 +23,11 @@ Model (per GPU of the slowest pipeline stage, per micro-batch, then the 1F1B sch
 - Core attention: fused (cuDNN = TE 'auto'/'fused') at ATTENTION_EFFICIENCY of the BF16 peak with a
   sequence-length ramp s/(s + ATTENTION_HALF_RATE_SEQ), causal half executed, backward = 2.5x the
   forward work (the kernel recomputes QK^T); 'flash' (FlashAttention-2) at FLASH2_RELATIVE_RATE of
-  that. Unfused/local: batched GEMMs over the full s x s plus softmax/mask bytes per score element
-  (UNFUSED_*_BYTES_PER_SCORE) at streaming bandwidth.
+  that; with dropout the kernels' Philox draws (DROPOUT_RNG_OPS_PER_SCORE). Unfused (the local spec's
+  Megatron DotProductAttention whatever attention_backend says, or TE 'unfused'): batched GEMMs over
+  the full s x s plus the softmax path's bytes per score element (UNFUSED_SOFTMAX_BYTES_PER_SCORE:
+  fused masked-softmax kernel, PyTorch bf16 or fp32; attention dropout adds its pass) at streaming
+  bandwidth.
 - Elementwise (norms, bias/dropout/residual, activation, RoPE, FP8 casts, embedding): bytes over
   the measured elementwise bandwidth, plus KERNEL_LAUNCH_S per kernel; without SP the norm/residual
   work is repeated on every TP rank; the local spec runs more, unfused kernels than TE. Cross
@@ -46,13 +49,20 @@ Model (per GPU of the slowest pipeline stage, per micro-batch, then the 1F1B sch
   reruns the forward of the recomputed layers (flops.recomputed_layer_fraction).
 - Optimizer: Adam over the local shard (of the same per-rank count), bandwidth-bound; plus
   ITERATION_OVERHEAD_S.
+- Host (CPU): a layer whose GPU work is shorter than launching its kernels leaves the GPU waiting, and
+  so does every host sync (Megatron-LM's loss and gradient NaN checks, an MoE dispatcher's token
+  counts); both are timed against the host's speed (GpuSpec.host_floor_ms_per_layer, HOST_FORWARD_SHARE,
+  HOST_SYNC_KERNELS) and reported as host_bound_s; a step waiting >= HOST_BOUND_FLAG of its time is
+  flagged host-bound.
 - Code: `_model` assembles one function per term (GEMMs, core attention, elementwise, TP/CP/EP
-  communication, pipeline, data parallel, optimizer, host floor) on a `_Ctx` of one precision group.
+  communication, pipeline, data parallel, optimizer, host) on a `_Ctx` of one precision group.
 
 Efficiency parameters (module constants below, each with how it was measured or derived) are few
-and global; kernel rates come from micro-benchmarks on this workplace's H100/H200 (no training
-run, published or measured, was used to fit them). Not modelled: MoE routing imbalance and
-all-to-all/compute overlap, host (CPU) launch limits and syncs, stragglers at scale, CUDA graphs.
+and global; kernel rates come from micro-benchmarks on this workplace's H100/H200. Three figures
+are fitted on the one-GPU rows of Megatron-LM's own loop outside the held-out third
+(`benchmarks/throughput_accuracy.py --fit`): the VM hosts' host_floor_ms_per_layer (GPU catalog),
+HOST_SYNC_KERNELS and the PyTorch bf16 softmax path's bytes. Not modelled: MoE routing imbalance
+and all-to-all/compute overlap, stragglers at scale, CUDA graphs.
 """
 
 from __future__ import annotations

@@ -85,6 +85,15 @@ class _Budget:
 # helper carrying it.
 _follow_ups: ContextVar[_Budget] = ContextVar("follow_up_budget")
 
+
+def _budget() -> _Budget:
+    """This call's follow-up budget; a helper called outside recommend_parallelism gets one of its own."""
+    b = _follow_ups.get(None)
+    if b is None:
+        b = _Budget(left=MAX_FOLLOW_UP_LAYOUTS)
+        _follow_ups.set(b)
+    return b
+
 # Megatron-Core optimizer CPU offload (megatron/core/optimizer/cpu_offloading/README.md).
 CPU_OFFLOAD_FLAGS = "--optimizer-cpu-offload --optimizer-offload-fraction 1.0 --use-precision-aware-optimizer"
 
@@ -412,8 +421,8 @@ def _recommend(request: RecommendRequest, shape: ModelShape, g, gbs: int, inp: S
         "option of it, and the distributed optimizer is never slower or larger in this model"
     )
     notes.append(f"memory must leave {inp.required_headroom_gib:.1f} GiB of {capacity:.1f} GiB free on the most-loaded GPU")
-    if _follow_ups.get().skipped:
-        notes.append(f"{_follow_ups.get().skipped} follow-up search(es) (what-ifs, suggestions) skipped: together they would "
+    if _budget().skipped:
+        notes.append(f"{_budget().skipped} follow-up search(es) (what-ifs, suggestions) skipped: together they would "
                      f"enumerate more than {MAX_FOLLOW_UP_LAYOUTS:,} layouts")
     if any(p.plan.parallelism.decoder_first_pipeline_num_layers or p.plan.parallelism.decoder_last_pipeline_num_layers for p in plans):
         notes.append(
@@ -906,7 +915,7 @@ def _sources() -> tuple[tuple[str, str], ...]:
 def _quick_best(request: RecommendRequest, shape: ModelShape, gbs: int, *, cluster: ClusterSpec | None = None,
                 seq_length: int | None = None) -> RecommendedPlan | None:
     inp = _inputs(request, shape, gbs, quick=True, cluster=cluster, seq_length=seq_length)
-    budget, size = _follow_ups.get(), space_size(inp)
+    budget, size = _budget(), space_size(inp)
     if size > budget.left:
         budget.skipped += 1
         return None
@@ -925,9 +934,9 @@ def _what_ifs(request: RecommendRequest, shape: ModelShape, gbs: int, best: Reco
     ):
         if seq > 4_194_304:
             continue
-        skipped = _follow_ups.get().skipped
+        skipped = _budget().skipped
         top = _quick_best(request, shape, gbs, cluster=cluster, seq_length=seq)
-        if _follow_ups.get().skipped > skipped:
+        if _budget().skipped > skipped:
             continue  # not searched (over the budget): a note says so, no "nothing fits"
         same = f"same global batch of {gbs} samples"
         if top is None:

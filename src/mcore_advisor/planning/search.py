@@ -378,7 +378,7 @@ def _layouts(inp: SearchInputs, st: SearchStats) -> tuple[list[Layout], float]:
     world = inp.cluster.num_gpus
     bounds = _model_state_bounds(inp, shards)
     static_budget = inp.capacity_gib - inp.required_headroom_gib
-    base = _rules_base(inp)
+    scratch = _rules_base(inp).with_layout()  # one context re-laid per layout (relayout mutates it)
     moe = inp.shape.is_moe
     layouts: list[Layout] = []
     for sh, bound in zip(shards, bounds.tolist(), strict=True):
@@ -390,7 +390,7 @@ def _layouts(inp: SearchInputs, st: SearchStats) -> tuple[list[Layout], float]:
         for cp in sh.cps:
             for sp in sh.sps:
                 for prec in inp.precisions:
-                    errs = layout_errors(base.with_layout(
+                    errs = layout_errors(scratch.relayout(
                         tp=sh.tp, pp=sh.pp, vp_raw=sh.vp if sh.vp > 1 else None, cp=cp, ep=sh.ep,
                         etp_raw=sh.etp if moe else None, sp=sp, precision=prec,
                         decoder_first_pipeline_num_layers=sh.first, decoder_last_pipeline_num_layers=sh.last))

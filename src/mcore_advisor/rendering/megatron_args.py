@@ -88,6 +88,11 @@ def as_rendered(plan: Plan, *, apex: bool) -> RenderedPlan:
         # is what TransformerConfig.bias_activation_fusion takes without --swiglu).
         imp["bias_activation_fusion"] = False
         notes.append("bias_activation_fusion off: Megatron turns the fused bias-GeLU off for models without linear biases")
+    if im.masked_softmax_fusion and im.transformer_impl == "local" and not apex:
+        # The local spec's DotProductAttention imports Apex's compiled kernels (scaled_upper_triang_masked_softmax_cuda)
+        # at the first step for sequences of up to 4,096 tokens (fusions/fused_softmax.py): without Apex it fails.
+        imp["masked_softmax_fusion"] = False
+        notes.append("masked_softmax_fusion off in the script (no Apex: its compiled masked-softmax kernels are missing)")
     if im.cross_entropy_loss_fusion and im.cross_entropy_fusion_impl == "te":
         # validate_args (megatron-core 0.19.2): "Transformer Engine cross entropy loss fusion is disabled due to
         # stability issues. Use --cross-entropy-fusion-impl native, or omit --cross-entropy-loss-fusion."

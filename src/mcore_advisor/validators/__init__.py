@@ -70,6 +70,8 @@ def _ctx_from_plan(plan: Plan) -> Ctx:
         moe_token_dispatcher_type=im.moe_token_dispatcher_type, moe_grouped_gemm=im.moe_grouped_gemm,
         use_torch_fsdp2=im.use_torch_fsdp2, decoder_first_pipeline_num_layers=p.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=p.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
         cross_entropy_fusion_impl=im.cross_entropy_fusion_impl, cross_entropy_loss_fusion=im.cross_entropy_loss_fusion,
     )
 

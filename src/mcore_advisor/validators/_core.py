@@ -111,6 +111,8 @@ class Ctx:
     use_torch_fsdp2: bool = _default(ImplementationSpec, "use_torch_fsdp2")
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     cross_entropy_fusion_impl: str = _default(ImplementationSpec, "cross_entropy_fusion_impl")
     cross_entropy_loss_fusion: bool = _default(ImplementationSpec, "cross_entropy_loss_fusion")
     # derived
@@ -159,6 +161,17 @@ class Ctx:
         c.__post_init__()
         return c
 
+    def relayout(self, **changes: object) -> Ctx:
+        """Set these input fields in place and recompute the derived ones, for loops that look at one
+        layout at a time (a copy per layout, even with_layout's, was half the search's time)."""
+        for name, value in changes.items():
+            if name not in _INPUT_SET:
+                raise TypeError(f"Ctx.relayout got unknown field {name!r}")
+            setattr(self, name, value)
+        self._derive_layout()
+        self._derive_stages()
+        return self
+
     def _derive_layout(self) -> None:
         tp, pp, cp, ep = self.tp, self.pp, self.cp, self.ep
         # Megatron: expert_tensor_parallel_size defaults to TP (validate_args / ModelParallelConfig).
@@ -183,19 +196,25 @@ class Ctx:
     def _derive_stages(self) -> None:
         pp, first, last = self.pp, self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
         uneven = pp > 1 and (first is not None or last is not None)
+        emb, loss = self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split
         try:
-            stages = layers_per_stage(self.shape.num_layers, pp, first if pp > 1 else None, last if pp > 1 else None)
+            stages = layers_per_stage(self.shape.num_layers, pp, first if pp > 1 else None, last if pp > 1 else None,
+                                      embedding=emb, loss=loss)
             self.layers_ok = min(stages) > 0 or not uneven
         except ValueError:
             stages = []
             self.layers_ok = False
         self.layers_per_stage = max(stages) if self.layers_ok else 0
-        self.chunk_ok = self.layers_ok and all(n % self.vp == 0 for n in stages)
+        # get_num_layers_to_build: with the embedding/loss counted as layers, each rank's slots (its layers
+        # plus the embedding or loss it holds) divide over its VP chunks, not the layers it builds.
+        slots = [n + (emb and r == 0) + (loss and r == len(stages) - 1) for r, n in enumerate(stages)]
+        self.chunk_ok = self.layers_ok and all(n % self.vp == 0 for n in slots)
         # With an uneven split the chunk size differs per stage; rules use the most-loaded stage's.
         self.layers_per_chunk = self.layers_per_stage // self.vp if self.chunk_ok else 0
 
 
 _INPUT_FIELDS = tuple(f.name for f in fields(Ctx) if f.init)
+_INPUT_SET = frozenset(_INPUT_FIELDS)
 
 FindingParts = tuple  # (fields, message, fix) or (fields, message, fix, severity)
 

@@ -222,3 +222,93 @@ def _etp_dense(c: Ctx):
         "(it still enters Megatron's world-size check ETP x EP x PP)",
         "unset parallelism.expert_tensor_parallel_size",
     )
+
+
+ACCOUNT_EMB = "parallelism.account_for_embedding_in_pipeline_split"
+ACCOUNT_LOSS = "parallelism.account_for_loss_in_pipeline_split"
+FIRST_STAGE = "parallelism.decoder_first_pipeline_num_layers"
+LAST_STAGE = "parallelism.decoder_last_pipeline_num_layers"
+
+
+def _accounts(c: Ctx) -> bool:
+    return c.account_for_embedding_in_pipeline_split or c.account_for_loss_in_pipeline_split
+
+
+def _set_accounts(c: Ctx) -> list[str]:
+    return [f for f, on in ((ACCOUNT_EMB, c.account_for_embedding_in_pipeline_split),
+                            (ACCOUNT_LOSS, c.account_for_loss_in_pipeline_split)) if on]
+
+
+def split_conflict(c: Ctx) -> bool:
+    """decoder_first/last_pipeline_num_layers together with an embedding/loss-aware split."""
+    return _accounts(c) and (c.decoder_first_pipeline_num_layers is not None
+                             or c.decoder_last_pipeline_num_layers is not None)
+
+
+@rule(
+    "uneven_split_with_account_for",
+    "error",
+    AREA,
+    "first/last stage layers and the embedding/loss-aware split are exclusive",
+    when=split_conflict,
+)
+def _split_conflict(c: Ctx):
+    # TransformerConfig.__post_init__ raises ValueError "num_layers_in_first_pipeline_stage and
+    # num_layers_in_last_pipeline_stage cannot be set at the same time with
+    # account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split".
+    return (
+        [FIRST_STAGE, LAST_STAGE, *_set_accounts(c)],
+        "decoder_first/last_pipeline_num_layers cannot be set together with "
+        "account_for_embedding_in_pipeline_split / account_for_loss_in_pipeline_split (Megatron's "
+        "TransformerConfig rejects the pair)",
+        "unset parallelism.decoder_first_pipeline_num_layers and decoder_last_pipeline_num_layers, or set "
+        "account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split false",
+    )
+
+
+@rule(
+    "account_for_split_with_hybrid_pattern",
+    "error",
+    AREA,
+    "the embedding/loss-aware split is not for hybrid models",
+    when=lambda c: _accounts(c) and c.shape.hybrid_layer_pattern is not None,
+)
+def _split_hybrid(c: Ctx):
+    # Megatron-LM validate_args asserts "--account-for-embedding-in-pipeline-split should not be used with
+    # --hybrid-layer-pattern" (and the same for the loss).
+    return (
+        [*_set_accounts(c), "model.hybrid_layer_pattern"],
+        "account_for_embedding/loss_in_pipeline_split should not be used with hybrid_layer_pattern "
+        "(Megatron-LM validate_args)",
+        "set them false and split stages with parallelism.decoder_first/last_pipeline_num_layers",
+    )
+
+
+def account_split_fix(num_layers: int, pp: int) -> str | None:
+    """The embedding/loss-aware split that makes num_layers divide over pp stages, as a fix (None if none)."""
+    if num_layers % pp == 0:
+        return None
+    if (num_layers + 2) % pp == 0:
+        return ("set parallelism.account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split "
+                f"true ({num_layers} layers + embedding + loss = {num_layers + 2} slots, {(num_layers + 2) // pp} "
+                "per stage)")
+    if (num_layers + 1) % pp == 0:
+        return (f"set parallelism.account_for_loss_in_pipeline_split true ({num_layers} layers + loss = "
+                f"{num_layers + 1} slots, {(num_layers + 1) // pp} per stage)")
+    return None
+
+
+def account_split_error(c: Ctx):
+    """layers_not_divisible_by_pp's finding when the embedding/loss count as layers."""
+    # TransformerConfig.__post_init__ / get_num_layers_to_build: num_layers (+1 embedding) (+1 loss) must be
+    # divisible by pipeline_model_parallel_size.
+    L = c.shape.num_layers
+    slots = L + c.account_for_embedding_in_pipeline_split + c.account_for_loss_in_pipeline_split
+    ok = [p for p in divisors(slots) if c.num_gpus % (c.tp * p * c.cp) == 0 and p > 1] or [1]
+    return (
+        [PP, "model.num_layers", *_set_accounts(c)],
+        f"num_layers ({L}) after account_for_embedding/loss_in_pipeline_split ({slots} slots) must be divisible "
+        f"by pipeline_model_parallel_size ({c.pp})",
+        f"set parallelism.pipeline_model_parallel_size to {choices(nearest(c.pp, ok))}"
+        + (f", or {fix}" if (fix := account_split_fix(L, c.pp)) else ""),
+    )

@@ -23,6 +23,7 @@ from ._core import (
     prefer,
     rule,
 )
+from .layout import account_split_error, account_split_fix, split_conflict
 
 AREA = "model"
 
@@ -221,13 +222,16 @@ def pp_candidates(c: Ctx) -> list[int]:
     "error",
     AREA,
     "even pipeline stages",
-    when=lambda c: not c.layers_ok,
+    # A first/last split together with an embedding/loss-aware one is its own error (layout.py).
+    when=lambda c: not c.layers_ok and not split_conflict(c),
 )
 def _layers_pp(c: Ctx):
     # get_num_layers_to_build: "num_layers should be divisible by pipeline_model_parallel_size";
     # with decoder_first/last_pipeline_num_layers the middle stages must share the rest evenly.
     L = c.shape.num_layers
     first, last = c.decoder_first_pipeline_num_layers, c.decoder_last_pipeline_num_layers
+    if c.account_for_embedding_in_pipeline_split or c.account_for_loss_in_pipeline_split:
+        return account_split_error(c)
     if first is not None or last is not None:
         return (
             [PP, FIRST_STAGE, LAST_STAGE, "model.num_layers"],
@@ -235,7 +239,7 @@ def _layers_pp(c: Ctx):
             f"evenly over the other stages of pipeline_model_parallel_size {c.pp}",
             _uneven_fix(L, c.pp) or f"set parallelism.pipeline_model_parallel_size to {choices(nearest(c.pp, pp_candidates(c)))}",
         )
-    uneven = _uneven_fix(L, c.pp)
+    uneven = " or ".join(f for f in (_uneven_fix(L, c.pp), account_split_fix(L, c.pp)) if f)
     fix = f"set parallelism.pipeline_model_parallel_size to {choices(nearest(c.pp, pp_candidates(c)))}"
     return (
         [PP, "model.num_layers"],

@@ -310,3 +310,21 @@ def _mtp_block(c: Ctx):
         f"{c.shape.mtp_num_layers} MTP layer(s), which keep their full activations",
         "use recompute_method uniform to recompute MTP layers too",
     )
+
+
+@rule(
+    "recompute_gdn_norm_out_without_gated_delta_net",
+    "error",
+    AREA,
+    "gdn_norm_out recompute needs Gated DeltaNet attention",
+    # This tool models no experimental_attention_variant, so no plan has Gated DeltaNet layers.
+    when=lambda c: _selective(c) and "gdn_norm_out" in _modules(c),
+)
+def _gdn(c: Ctx):
+    # TransformerConfig.__post_init__ raises this message.
+    return (
+        [RECOMPUTE_MODULES],
+        "gdn_norm_out in recompute_modules is only supported with experimental_attention_variant='gated_delta_net' "
+        "(Gated DeltaNet layers, which this tool does not model)",
+        "remove gdn_norm_out from parallelism.recompute_modules",
+    )

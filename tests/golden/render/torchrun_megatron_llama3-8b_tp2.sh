@@ -75,8 +75,6 @@ PROGRAM_ARGS=(
   --hidden-dropout 0
   # bf16 parameters and activations (also the base precision under FP8)
   --bf16
-  # implementation.cross_entropy_loss_fusion: fused vocab-parallel cross entropy
-  --cross-entropy-loss-fusion
   # no Apex: the fused wgrad accumulation needs Apex's fused_weight_gradient_mlp_cuda (Megatron raises at model build otherwise)
   --no-gradient-accumulation-fusion
   # training.seq_length
