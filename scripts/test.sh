@@ -6,8 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # The profile job runs megatron.training (megatron-core >= 0.17), which needs Python >= 3.12.
-py=${PYTHON:-python3.12}
-command -v "$py" >/dev/null 2>&1 || { echo "test.sh: $py not found; set PYTHON to a Python >= 3.12" >&2; exit 1; }
+# A pyenv shim answers `command -v python3.12` even where 3.12 is not the active version and then
+# fails, so each candidate must actually run.
+is_312() { [ -n "$1" ] && "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }
+py=""
+for cand in "${PYTHON:-}" python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+  if is_312 "$cand"; then py=$cand; break; fi
+done
+[ -n "$py" ] || { echo "test.sh: no Python 3.12 found; set PYTHON to one (megatron-core >= 0.17 needs it)" >&2; exit 1; }
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 # PyPI's torch for 3.12 is its CUDA build: it runs on the CPU too and brings triton, which
 # megatron-core 0.19.2 imports (about 2 minutes and 5.5 GB for the whole install).

@@ -314,3 +314,23 @@ async def test_get_job_reports_phase_and_eta(tmp_path, monkeypatch):
             st = (await client.call_tool("get_job", {"job_id": sub["job_id"]})).structured_content
         assert st["state"] == "COMPLETED" and st["phase"] == "done"
         assert {c["figure"] for c in st["comparison"]} >= {"iteration_time_s", "tokens_per_s_per_gpu"}
+
+
+async def test_hostile_argument_errors_name_the_argument_the_caller_passed(server):
+    # Found by the reliability fuzzer: a 5,000-digit number inside a JSON-string plan, and an over-long
+    # string for a flat argument whose request field has another name.
+    async with Client(server) as client:
+        huge = await client.call_tool("evaluate_plan", {"plan": '{"model": {"name": "llama3-8b"}, "cluster": {"num_gpus": '
+                                                         + "9" * 5000 + "}}"})
+        assert huge.is_error is True and _text(huge).split(": ", 1)[1].startswith("plan: holds a number too large")
+        long = await client.call_tool("recommend_parallelism", {"model": "llama3-8b", "num_gpus": 8, "max_tp": "x" * 300})
+        assert long.is_error is True and "max_tp:" in _text(long) and "max_tensor_model_parallel_size" not in _text(long)
+
+
+def test_a_job_the_scheduler_cannot_report_is_not_called_ended():
+    from types import SimpleNamespace
+
+    from mcore_advisor.server.progress import job_phase
+
+    phase = job_phase(SimpleNamespace(state="UNKNOWN", last_known_state="RUNNING", job_dir=None, log_tail=None))
+    assert phase.phase.startswith("unknown") and "RUNNING" in phase.phase

@@ -158,6 +158,8 @@ def parse_object(name: str, value: Any) -> dict[str, Any]:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{name}: not valid JSON ({exc.msg} at character {exc.pos}); pass an object") from None
+        except ValueError:  # e.g. an integer of more than 4,300 digits, which Python refuses to convert
+            raise ValueError(f"{name}: holds a number too large to read; pass an object with sizes in range") from None
     if isinstance(value, BaseModel):
         value = value.model_dump(exclude_unset=True)
     if not isinstance(value, dict):
@@ -272,7 +274,11 @@ def recommend_request(args: dict[str, Any]) -> RecommendRequest:
     for name in RECOMMEND_FIXED:
         put(("fixed", PLAN_FIELDS[name][1]), name)
     data.setdefault("seq_length", TrainingSpec.model_fields["seq_length"].default)
-    check_strings(data, "")
+    try:
+        check_strings(data, "")
+    except ValueError as exc:  # name the argument the caller passed, not the request field behind it
+        field, _, rest = str(exc).partition(":")
+        raise ValueError(f"{rename.get(field, field)}:{rest}") from None
     if "model" not in data:
         raise ValueError("model: required: a catalog key, e.g. model='llama3-70b' (see the mcore://models resource), "
                          "or hf_config (a config.json)")

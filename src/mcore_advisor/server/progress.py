@@ -40,6 +40,8 @@ def job_phase(status: Any) -> Phase:
     state = status.state
     if state == "PENDING":
         return Phase("queued")
+    if state == "UNKNOWN":  # the backend did not answer just now: the job may well still run
+        return Phase(f"unknown: the scheduler did not answer (last known {status.last_known_state})")
     if state != "RUNNING":
         return Phase("done" if state == "COMPLETED" else "ended")
     kinds = _kinds(status.job_dir)
