@@ -217,10 +217,10 @@ def test_uneven_split_with_vp_is_accepted_when_every_stage_divides_by_vp(kit):
 
 
 def test_split_fields_render_and_parse_back_through_the_flag_table(kit):
-    from mcore_advisor.rendering.megatron_args import as_rendered, megatron_flags  # noqa: F401
     from mcore_advisor.knowledge import megatron_flags as table
-    from mcore_advisor.knowledge.models import resolve_model
     from mcore_advisor.knowledge.megatron_flags import RenderView
+    from mcore_advisor.knowledge.models import resolve_model
+    from mcore_advisor.rendering.megatron_args import as_rendered, megatron_flags  # noqa: F401
 
     p = _qwen3_235b_like(kit, 8, 4, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
     flags = table.render(RenderView(p, resolve_model(p.model), None, None, []), "layout")

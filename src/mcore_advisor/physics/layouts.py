@@ -240,7 +240,7 @@ class LayoutBatch:
             overlap_param_gather=p.overlap_param_gather, tp_comm_overlap=p.tp_comm_overlap,
             recompute=_RECOMPUTE_CODES[p.recompute_granularity], recompute_block=p.recompute_method == "block",
             recompute_num_layers=p.recompute_num_layers or 0,
-            **dict(zip(("first_stage_layers", "last_stage_layers"), _split_code(p, shape.num_layers, d.pp))),
+            **dict(zip(("first_stage_layers", "last_stage_layers"), _split_code(p, shape.num_layers, d.pp), strict=True)),
         )
 
 
