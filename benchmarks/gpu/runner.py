@@ -33,8 +33,9 @@ REPO = HERE.parent.parent
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", "UB_SKIPMC": "1"}
 
 
-def load_specs(path: Path, names: list[str] | None, groups: list[str] | None) -> list[dict]:
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+def load_specs(paths: str, names: list[str] | None, groups: list[str] | None) -> list[dict]:
+    """Rows of one or more spec files (comma-separated paths), in file order."""
+    rows = [json.loads(x) for path in paths.split(",") for x in Path(path).read_text().splitlines() if x.strip()]
     if names:
         by = {r["name"]: r for r in rows}
         missing = [n for n in names if n not in by]
@@ -110,13 +111,15 @@ def collect(r: Running, rc: int | None, timed_out: bool, git_state: str) -> dict
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--specs", default=str(HERE / "specs.jsonl"))
+    ap.add_argument("--specs", default=str(HERE / "specs.jsonl"), help="spec file(s), comma-separated")
     ap.add_argument("--names", default="")
     ap.add_argument("--groups", default="")
     ap.add_argument("--deadline-s", type=float, default=420.0)
     ap.add_argument("--run-timeout-s", type=float, default=240.0)
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--solo", default="", help="runs to execute with no other run beside them")
+    ap.add_argument("--share-multi", action="store_true",
+                    help="let several-GPU runs share the machine (two 2-GPU runs on 4 GPUs); ran_alongside records it")
     ap.add_argument("--each-gpu", default="",
                     help="one-GPU runs to repeat alone on every GPU in turn (GPUs of one machine differ by ~2%% in matmul rate)")
     ap.add_argument("--work", default="/tmp/mcore_runs")
@@ -130,7 +133,7 @@ def main() -> int:
     names = [x for x in a.names.split(",") if x]
     groups = [x for x in a.groups.split(",") if x]
     solo = set(x for x in a.solo.split(",") if x)
-    queue = load_specs(Path(a.specs), names, groups)
+    queue = load_specs(a.specs, names, groups)
     each_gpu = set(x for x in a.each_gpu.split(",") if x)
     expanded = []
     for row in queue:
@@ -182,7 +185,7 @@ def main() -> int:
             not_started.extend(r["name"] for r in queue)
             break
         need = row["nproc"]
-        exclusive = need > 1 or row["name"] in solo
+        exclusive = (need > 1 and not a.share_multi) or row["name"] in solo
         # wait while: an exclusive run has company, GPUs are short (or the pinned one is busy), or a
         # solo run already on the machine keeps others off it
         if ((exclusive and running) or len(free) < need or ("pin" in row and row["pin"] not in free)
