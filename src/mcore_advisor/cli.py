@@ -85,7 +85,7 @@ def cmd_recommend(a: argparse.Namespace) -> None:
     req = recommend_request(args)
     if a.gpus_per_node is not None:
         req = req.model_copy(update={"cluster": req.cluster.model_copy(update={"gpus_per_node": a.gpus_per_node})})
-    rec = recommend_parallelism(req, clock=time.perf_counter)
+    rec = recommend_parallelism(req, clock=time.perf_counter, cpu_clock=time.thread_time)
     _emit(rec, a.json, recommend_text)
 
 

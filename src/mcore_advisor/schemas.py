@@ -168,6 +168,8 @@ class ImplementationSpec(BaseModel):
     manual_gc_interval: int = Field(0, ge=0, le=1_000_000, description="--manual-gc-interval (with manual_gc): steps between collections; 0 = none during training (Megatron's default). Host memory then grows with Python garbage; a few hundred steps is a common choice.")
     expandable_segments: bool = Field(False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: far less allocator fragmentation.")
     use_torch_fsdp2: bool = Field(False, description="Megatron-FSDP / torch FSDP2 instead of DDP + distributed optimizer (not modelled in detail).")
+    cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] = Field("none", description="--cuda-graph-impl (Megatron-LM 0.19; default 'none'): capture each layer's forward/backward as CUDA graphs ('local': Megatron's CudaGraphManager, 'transformer_engine': TE make_graphed_callables) or the whole iteration ('full_iteration'); a captured part replays its kernels from one launch, so the host's per-kernel launch cost drops out of it (physics.moe: the MoE layer's router, preprocess and attention half).")
+    cuda_graph_modules: list[Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"]] | None = Field(None, description="--cuda-graph-modules (0.19's name for the deprecated --cuda-graph-scope) with a per-layer cuda_graph_impl: the parts of each layer captured; None or [] = the whole layer. Dropless MoE layers capture only 'moe_router' (+ 'moe_preprocess'): token counts per expert change every step.")
 
 
 class Plan(BaseModel):
@@ -194,6 +196,25 @@ MODEL_SETTINGS = (
 HYBRID_LAYER_SYMBOLS = {"M": "Mamba-2", "*": "self-attention", "-": "dense MLP", "E": "MoE"}
 # MambaMixer's causal-convolution width: its d_conv argument, which Megatron-LM leaves at 4.
 MAMBA_CONV_KERNEL = 4
+
+
+# The Mamba-2 widths below take a ModelShape or any object with its mamba_* fields (physics.anatomy's
+# view of the profile job's JSON model), hence functions; ModelShape.mamba_d_inner is the first.
+def mamba_d_inner(shape: Any) -> int:
+    """Mamba-2 inner width: heads x head dim (MambaMixer d_inner)."""
+    return shape.mamba_num_heads * shape.mamba_head_dim
+
+
+def mamba_conv_dim(shape: Any) -> int:
+    """Channels of the mixer's depthwise conv1d (MambaMixer conv_dim): x (d_inner), B and C (groups x
+    state each)."""
+    return mamba_d_inner(shape) + 2 * shape.mamba_num_groups * shape.mamba_state_dim
+
+
+def mamba_in_proj_width(shape: Any) -> int:
+    """Outputs of a Mamba-2 mixer's in_proj (MambaMixer): z (d_inner), the conv's x, B and C, and dt
+    (one per head): 2*d_inner + 2*groups*state + heads."""
+    return mamba_d_inner(shape) + mamba_conv_dim(shape) + shape.mamba_num_heads
 
 
 class ModelShape(BaseModel):
@@ -280,7 +301,7 @@ class ModelShape(BaseModel):
     @property
     def mamba_d_inner(self) -> int:
         """Mamba-2 inner width: heads x head dim (MambaMixer d_inner)."""
-        return self.mamba_num_heads * self.mamba_head_dim
+        return mamba_d_inner(self)
 
     def padded_vocab_size(self, tp: int) -> int:
         """Megatron's _vocab_size_with_padding: round V up to a multiple of divisor * TP."""

@@ -19,7 +19,8 @@ from _hf_configs import (
 )
 
 from mcore_advisor.knowledge.hf_import import model_from_hf_config
-from mcore_advisor.knowledge.models import count_params, param_counts, resolve_model
+from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.anatomy import count_params, param_counts
 from mcore_advisor.schemas import MODEL_SETTINGS, ModelSpec
 
 

@@ -25,9 +25,6 @@ from mcore_advisor.schemas import MODEL_SETTINGS, Plan
 NOT_FLAGS = {
     "model.name": "a catalog key: rendering writes the resolved shape",
     "model.hf_config": "a Hugging Face config: rendering writes the resolved shape",
-    "model.hybrid_layer_pattern": "hybrid models run pretrain_hybrid.py, which is not rendered",
-    "model.mamba_num_heads": "hybrid models only", "model.mamba_head_dim": "hybrid models only",
-    "model.mamba_state_dim": "hybrid models only", "model.mamba_num_groups": "hybrid models only",
     "cluster.gpu": "the machine, not an argument", "cluster.num_gpus": "WORLD_SIZE from the launcher",
     "cluster.gpus_per_node": "the launcher's layout", "cluster.nvlink_bandwidth_gbps": "a model input",
     "cluster.scaleout_bandwidth_gbps": "a model input", "cluster.gpu_memory_gib": "a model input",
@@ -35,7 +32,7 @@ NOT_FLAGS = {
     "implementation.expandable_segments": "PYTORCH_CUDA_ALLOC_CONF, an environment variable",
 }
 
-GPT_MODELS = sorted(k for k, m in model_catalog().items() if not m.spec.hybrid_layer_pattern)
+CATALOG = sorted(model_catalog())
 ARCH = {"hopper": 9, "blackwell": 10, "ampere": 8}
 
 
@@ -88,7 +85,19 @@ def _variants() -> list[tuple[str, Plan, dict]]:
         ("llama3-8b_fsdp2", _plan(
             "llama3-8b", parallelism={"use_distributed_optimizer": False, "overlap_param_gather": False},
             implementation={"use_torch_fsdp2": True}), {"apex_installed": True}),
-    ] + [(f"catalog_{k}", _plan(k), {}) for k in GPT_MODELS]
+        # Hybrid Mamba models (pretrain_hybrid.py): the uneven split travels as the pattern's '|' stages.
+        ("nemotron-h-8b_tp2_pp2_first24", _plan(
+            "nemotron-h-8b", cluster={"num_gpus": 16},
+            parallelism={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                         "decoder_first_pipeline_num_layers": 24, "sequence_parallel": True}), {}),
+        ("nemotron-h-56b_pp4_last28", _plan(
+            "nemotron-h-56b", cluster={"num_gpus": 32},
+            parallelism={"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 4,
+                         "decoder_last_pipeline_num_layers": 28, "sequence_parallel": True}), {}),
+        ("nemotron-3-nano_ep8_local_impl", _plan(
+            "nemotron-3-nano-30b-a3b", parallelism={"expert_model_parallel_size": 8},
+            implementation={"transformer_impl": "local"}), {"apex_installed": True}),
+    ] + [(f"catalog_{k}", _plan(k), {}) for k in CATALOG]
 
 
 def _rendered(plan: Plan, opts: dict):
@@ -235,6 +244,41 @@ def test_values_megatron_derived_read_back_as_the_plans_unset():
     assert "expert_tensor_parallel_size" not in s["parallelism"]  # validate_args set it to TP
     assert "rotary_base" not in s["model"] and "norm_epsilon" not in s["model"]  # Megatron's defaults
     assert "moe_router_load_balancing_type" not in s["model"] and s["model"]["moe_aux_loss_coeff"] == 0.01
+
+
+def test_pipeline_stage_counts_give_back_the_fewest_first_last_fields():
+    # schemas.layers_per_stage's inverse: 52 layers on 2 stages as 24 + 28 is first=24; 118 on 4 stages
+    # as 30, 30, 30, 28 is last=28; an even split sets neither; 5, 9, 8, 8 has no first/last form.
+    assert T.stage_split([26, 26]) == (None, None)
+    assert T.stage_split([24, 28]) == (24, None)
+    assert T.stage_split([30, 30, 30, 28]) == (None, 28)
+    assert T.stage_split([6, 10, 10, 4]) == (6, 4)
+    assert T.stage_split([5, 9, 8, 8]) is None
+
+
+def test_a_hybrid_dump_reads_back_its_pattern_stages_and_mamba_shape():
+    # What Megatron-LM 0.19 prints for a Nemotron-H-style run on PP 2 (validate_args derives num_layers
+    # from the pattern and leaves the first/last flags unset beside '|').
+    pattern = "M-M*-M-" * 2 + "M-"
+    args = {"pipeline_model_parallel_size": "2", "num_layers": "16", "hybrid_layer_pattern": "M-M*-M-M-M*-|M-M-",
+            "decoder_first_pipeline_num_layers": "None", "decoder_last_pipeline_num_layers": "None",
+            "mamba_num_heads": "128", "mamba_head_dim": "64", "mamba_state_dim": "256", "mamba_num_groups": "8",
+            "moe_layer_freq": "1", "is_hybrid_model": "False"}
+    s = T.parse(args).sections
+    assert s["model"]["hybrid_layer_pattern"] == pattern and len(pattern) == 16
+    assert s["parallelism"]["decoder_first_pipeline_num_layers"] == 12
+    assert "decoder_last_pipeline_num_layers" not in s["parallelism"]
+    assert (s["model"]["mamba_num_heads"], s["model"]["mamba_state_dim"]) == (128, 256)
+    assert "moe_layer_freq" not in s["model"]  # a hybrid model's MoE layers are its 'E' symbols
+
+
+def test_a_gpt_dump_keeps_no_mamba_fields_and_an_old_dump_its_override_pattern():
+    gpt = T.parse({"hybrid_layer_pattern": "None", "mamba_state_dim": "128", "mamba_head_dim": "64",
+                   "mamba_num_groups": "8", "mamba_num_heads": "None"}).sections["model"]
+    assert not [k for k in gpt if "mamba" in k or "hybrid" in k]
+    # Releases before --hybrid-layer-pattern printed only hybrid_override_pattern.
+    old = T.parse({"hybrid_override_pattern": "M*M-", "mamba_num_groups": "4"}).sections["model"]
+    assert old == {"hybrid_layer_pattern": "M*M-", "mamba_num_groups": 4}
 
 
 def test_an_unknown_choice_is_skipped_not_guessed():

@@ -2,14 +2,8 @@
 
 import pytest
 
-from mcore_advisor.knowledge.models import (
-    catalog_model,
-    count_active_params,
-    count_params,
-    model_catalog,
-    param_counts,
-    resolve_model,
-)
+from mcore_advisor.knowledge.models import catalog_model, model_catalog, resolve_model
+from mcore_advisor.physics.anatomy import count_active_params, count_params, param_counts
 from mcore_advisor.schemas import ModelSpec
 
 

@@ -8,8 +8,9 @@ import pytest
 
 from mcore_advisor.knowledge.claims import claims_for_seed, seed_claim, seed_claims
 from mcore_advisor.knowledge.hardware import gpu
-from mcore_advisor.knowledge.models import count_active_params, count_params, resolve_model
+from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.knowledge.runs import published_runs
+from mcore_advisor.physics.anatomy import count_active_params, count_params
 from mcore_advisor.schemas import ModelSpec
 
 SEEDS = Path("/work/shared/seeds")

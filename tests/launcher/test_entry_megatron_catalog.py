@@ -67,8 +67,8 @@ def _catalog_plan(key: str) -> Plan:
 
 
 def _gpt_models() -> list[str]:
-    """The catalog's GPT models: hybrid Mamba models render no pretrain_gpt.py argv (rendering
-    refuses them until hybrid scripts are supported), so the profile job cannot run them either."""
+    """The catalog's GPT models: hybrid Mamba models render pretrain_hybrid.py (Megatron's HybridModel),
+    which the profile job's GPT model provider does not build, so job_spec refuses them."""
     return [key for key in model_catalog() if resolve_model(ModelSpec(name=key)).hybrid_layer_pattern is None]
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from mcore_advisor.knowledge.hardware import gpu
-from mcore_advisor.knowledge.models import param_counts, resolve_model
+from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.anatomy import param_counts
 from mcore_advisor.physics.evaluate import evaluate_plan
 from mcore_advisor.physics.flops import flops_per_token_breakdown
 from mcore_advisor.physics.mamba import hybrid_rank_params, mamba_activation_bytes, mamba_flops_per_token

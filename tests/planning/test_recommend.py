@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from mcore_advisor.knowledge.models import count_params, resolve_model
+from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.anatomy import count_params
 from mcore_advisor.physics.memory import CUDA_CONTEXT_GIB, memory_breakdown
 from mcore_advisor.physics.step_time import step_time
 from mcore_advisor.planning.recommend import (

@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 
 from mcore_advisor.knowledge.hardware import gpu
-from mcore_advisor.knowledge.models import count_params, model_catalog, resolve_model
+from mcore_advisor.knowledge.models import model_catalog, resolve_model
+from mcore_advisor.physics.anatomy import count_params
 from mcore_advisor.physics.layouts import LayoutBatch
 from mcore_advisor.physics.memory import memory_breakdown
 from mcore_advisor.physics.step_time import hardware_params, step_time, step_time_arrays
+from mcore_advisor.planning import search as search_module
+from mcore_advisor.planning.recommend import SEARCH_CPU_BUDGET_S, RecommendRequest, recommend_parallelism
 from mcore_advisor.planning.search import (
     RC_BLOCK,
     RC_NONE,
@@ -157,6 +160,7 @@ def test_layout_and_candidate_counts_add_up():
     out = search(_inputs(ModelSpec(name="mixtral-8x7b"), 16, 4096, 64, fixed=Fixed(pp=2)))
     s = out.stats
     assert s.layouts_enumerated == s.layouts_pruned_by_model_state + sum(s.layouts_rejected_by_rule.values()) + s.layouts_searched
+    assert s.layouts_not_reached == 0
     assert s.configurations_enumerated == (sum(s.configurations_rejected_by_rule.values()) + s.configurations_over_memory
                                            + s.configurations_dominated + s.configurations_timed)
     assert s.configurations_timed == len(out.mbs)
@@ -225,3 +229,67 @@ def test_fsdp2_layouts_are_searched_with_their_sharded_memory():
 
     fsdp, dist = tp1(out), tp1(ddp)
     assert set(fsdp) & set(dist) and all(fsdp[k] < dist[k] for k in set(fsdp) & set(dist))
+
+
+_OUTCOME_ARRAYS = ("layout", "mbs", "dist_opt", "recompute", "recompute_num_layers", "iteration_time_s",
+                   "tokens_per_s_per_gpu", "memory_total_gib")
+
+
+def test_a_search_in_groups_is_one_search_whatever_the_group_size(monkeypatch):
+    # With a deadline, layouts are checked and scored in groups, likeliest winners first; uncut, the
+    # merged outcome must be the one batch's, candidate for candidate and in its order (ties rank by it).
+    inp = _inputs(ModelSpec(name="mixtral-8x7b"), 64, 4096, 256)
+    whole = search(inp)
+    assert whole.stats.layouts_searched > 50 and len(whole.mbs) > 100
+    for size in (5, 10**9):
+        monkeypatch.setattr(search_module, "GROUP_LAYOUTS", size)
+        out = search(inp, deadline=lambda: False)
+        assert out.layouts == whole.layouts and out.stats == whole.stats
+        for name in _OUTCOME_ARRAYS:
+            assert np.array_equal(getattr(out, name), getattr(whole, name)), (size, name)
+        assert out.min_model_state_gib == whole.min_model_state_gib
+
+
+def test_a_deadline_stops_the_search_after_a_group_and_counts_the_layouts_left(monkeypatch):
+    monkeypatch.setattr(search_module, "GROUP_LAYOUTS", 16)
+    inp = _inputs(ModelSpec(name="llama3-8b"), 64, 4096, 256)
+    full = search(inp)
+    asked = []
+    cut = search(inp, deadline=lambda: asked.append(1) or len(asked) >= 2)  # time is up at the second look
+    s = cut.stats
+    assert len(asked) == 2 and s.layouts_not_reached > 0 and full.stats.layouts_not_reached == 0
+    assert s.layouts_enumerated == full.stats.layouts_enumerated == (
+        s.layouts_pruned_by_model_state + sum(s.layouts_rejected_by_rule.values()) + s.layouts_searched + s.layouts_not_reached)
+    assert 0 < s.layouts_searched < full.stats.layouts_searched
+    # What it checked it scored exactly as the full search did: the same candidates of those layouts.
+    assert all(lo in full.layouts for lo in cut.layouts)
+    where = np.asarray([full.layouts.index(lo) for lo in cut.layouts])
+    keep = np.isin(full.layout, where)
+    assert np.array_equal(where[cut.layout], full.layout[keep])
+    for name in _OUTCOME_ARRAYS[1:]:
+        assert np.array_equal(getattr(cut, name), getattr(full, name)[keep]), name
+    # it checked the likeliest winners first: the full search's best is among them
+    assert full.layout[np.argmax(full.tokens_per_s_per_gpu)] in where
+
+
+def test_a_spent_cpu_budget_gives_the_best_plan_of_what_was_searched_and_says_so(monkeypatch):
+    # A clock that jumps past the budget after its first reading: the main search stops after its
+    # first group, the what-if searches are skipped, and the answer is still a verified plan.
+    monkeypatch.setattr(search_module, "GROUP_LAYOUTS", 64)
+    readings = iter([0.0] + [10 * SEARCH_CPU_BUDGET_S] * 1000)
+    req = RecommendRequest(model=ModelSpec(name="llama3-8b"), cluster=ClusterSpec(gpu="h100-sxm", num_gpus=64),
+                           seq_length=4096)
+    rec = recommend_parallelism(req, cpu_clock=lambda: next(readings))
+    s = rec.stats
+    checked = s.layouts_searched + sum(s.layouts_rejected_by_rule.values())
+    assert rec.feasible and rec.what_if == []
+    stop = next(x for x in rec.notes if x.startswith("search stopped"))
+    assert f"{checked:,} of the {s.layouts_enumerated - s.layouts_pruned_by_model_state:,} layouts" in stop
+    assert f"{SEARCH_CPU_BUDGET_S:g} s CPU limit" in stop
+    assert any("2 follow-up search(es)" in x and "CPU limit" in x for x in rec.notes)
+    best = rec.plans[0]
+    assert not errors(validate(best.plan)) and best.memory_total_gib <= best.capacity_gib
+    # without a clock the same request is searched in full
+    full = recommend_parallelism(req)
+    assert not any(x.startswith("search stopped") for x in full.notes) and full.what_if
+    assert full.stats.layouts_searched > s.layouts_searched

@@ -3,10 +3,13 @@ a bounded search, or a finite answer."""
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 import time
 
 import pytest
+from _rel_fuzz import CALL_LIMIT_S
 from pydantic import ValidationError
 
 from mcore_advisor.diagnosis.mfu import MfuRequest, check_mfu
@@ -97,3 +100,26 @@ def test_follow_up_searches_share_a_budget_and_skipped_ones_are_named(monkeypatc
     out = rec.recommend_parallelism(rec.RecommendRequest.model_validate(REQUEST))
     assert out.what_if == []
     assert "2 follow-up search(es) (what-ifs, suggestions) skipped" in " ".join(out.notes)
+
+
+def _clear_package_caches() -> None:
+    """A cold server: every functools cache of the package emptied (the per-layout memory tables are
+    most of a cold search's cost)."""
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("mcore_advisor") and mod is not None:
+            for obj in vars(mod).values():
+                if isinstance(obj, functools._lru_cache_wrapper):
+                    obj.cache_clear()
+
+
+@pytest.mark.parametrize("model, num_gpus", [("qwen3-30b-a3b", 1024), ("gpt-oss-20b", 2048)])
+def test_the_slowest_fuzzed_searches_answer_within_the_call_limit_with_a_cpu_clock(model, num_gpus):
+    # The fuzzer's two calls over 5 CPU s (5.8 and 5.0 s through the server, before the search had a
+    # CPU deadline): cold, they cost 9-10 s of CPU uncut on a 2-core host; with the calling thread's CPU
+    # clock the searches stop within SEARCH_CPU_BUDGET_S and the call stays under the fuzzer's limit.
+    req = rec.RecommendRequest.model_validate({**REQUEST, "model": {"name": model}, "cluster": {"num_gpus": num_gpus}})
+    _clear_package_caches()
+    c0 = time.thread_time()
+    out = rec.recommend_parallelism(req, cpu_clock=time.thread_time)
+    assert time.thread_time() - c0 < CALL_LIMIT_S
+    assert out.feasible and out.plans[0].memory_total_gib <= out.plans[0].capacity_gib

@@ -24,6 +24,7 @@ from _render_cases import (
     slurm_job_env,
 )
 
+from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.evaluate import evaluate_plan
 from mcore_advisor.physics.memory import memory_breakdown
 from mcore_advisor.physics.step_time import step_time
@@ -502,7 +503,9 @@ def test_rendered_args_files_for_the_gpu_check_are_current():
     assert {p.name: p.read_text() for p in mod.ARGS_DIR.glob("*.txt")} == expected
     meta, env_set, argv = mod.read_args_file(mod.ARGS_DIR / "01_llama3-8b_tp2_sp.txt")
     assert (meta["world_size"], meta["arch"]) == ("8", "9") and "CUDA_DEVICE_MAX_CONNECTIONS=1" in env_set
-    assert argv[:2] == ["--tensor-model-parallel-size", "2"]
+    assert argv[:2] == ["--tensor-model-parallel-size", "2"] and meta["entry"] == "pretrain_gpt.py"
+    meta, _, argv = mod.read_args_file(mod.ARGS_DIR / "13_nemotron-h-8b_hybrid_tp2_pp2_uneven.txt")
+    assert meta["entry"] == "pretrain_hybrid.py" and "--hybrid-layer-pattern" in argv
 
 
 @pytest.mark.parametrize("name", sorted(PLANS))
@@ -527,3 +530,87 @@ def test_local_spec_without_apex_turns_the_masked_softmax_kernel_off():
     off = as_rendered(local, apex=False)
     assert off.plan.implementation.masked_softmax_fusion is False and any("masked_softmax_fusion" in n for n in off.notes)
     assert as_rendered(local, apex=True).plan.implementation.masked_softmax_fusion is True
+
+
+# ---- hybrid Mamba models: Megatron-LM's pretrain_hybrid.py ----------------------------------------
+
+# Nemotron-H-8B (nvidia/Nemotron-H-8B-Base-8K config.json): 52 layers, 24 Mamba-2 ('M'), 24 MLP ('-'),
+# 4 attention ('*'); Mamba-2 128 heads x 64, state 128, 8 groups. TP 2 x PP 2 with 24 layers on stage 0.
+HYBRID = Plan(model={"name": "nemotron-h-8b"}, cluster={"gpu": "h100-sxm", "num_gpus": 16},
+              training={"seq_length": 8192, "global_batch_size": 64},
+              parallelism={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                           "decoder_first_pipeline_num_layers": 24, "sequence_parallel": True})
+NEMOTRON_H_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+
+def test_hybrid_model_runs_pretrain_hybrid_with_its_pattern_stages_and_mamba_shape(tmp_path):
+    art = _render(HYBRID, launcher="slurm")
+    argv = art.megatron_args
+    assert art.program == ["/opt/megatron-lm/pretrain_hybrid.py"] and "Megatron-LM pretrain_hybrid.py" in art.script
+    (pattern,) = _flag_values(argv, "--hybrid-layer-pattern")
+    first, second = pattern.split("|")  # one '|' per stage boundary: 24 layers, then the other 28
+    assert (first, second) == (NEMOTRON_H_8B[:24], NEMOTRON_H_8B[24:]) and (len(first), len(second)) == (24, 28)
+    assert (first.count("M"), first.count("*"), second.count("M"), second.count("*")) == (11, 2, 13, 2)
+    assert _flag_values(argv, "--spec") == ["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
+    assert [_flag_values(argv, f) for f in ("--mamba-num-heads", "--mamba-head-dim", "--mamba-state-dim",
+                                            "--mamba-num-groups", "--num-layers")] == [["128"], ["64"], ["128"], ["8"], ["52"]]
+    assert _flag_values(argv, "--position-embedding-type") == ["none"] and "--squared-relu" in argv
+    # validate_args forbids the first/last flags beside '|'; HybridModel never reads --moe-layer-freq.
+    for absent in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--moe-layer-freq",
+                   "--hybrid-override-pattern", "--swiglu", "--rotary-base"):
+        assert absent not in argv
+    # '|' and '*' reach Megatron as one argument: bash never sees a pipe or a glob.
+    calls = run_script(art.script, tmp_path, make_fake_bin(tmp_path / "bin"), slurm_job_env())
+    launched = calls[-1]["argv"]
+    assert launched[launched.index("--hybrid-layer-pattern") + 1] == pattern
+
+
+def test_hybrid_pipeline_split_is_the_memory_models_split():
+    # An even PP 4 split of Nemotron-H-56B's 118 layers is impossible; last = 28 leaves 30 per other stage.
+    plan = HYBRID.model_copy(update={"model": HYBRID.model.model_copy(update={"name": "nemotron-h-56b"}),
+                                     "cluster": HYBRID.cluster.model_copy(update={"num_gpus": 32}),
+                                     "parallelism": HYBRID.parallelism.model_copy(update={
+                                         "tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 4,
+                                         "decoder_first_pipeline_num_layers": None,
+                                         "decoder_last_pipeline_num_layers": 28})})
+    (pattern,) = _flag_values(_render(plan, launcher="slurm").megatron_args, "--hybrid-layer-pattern")
+    assert [len(s) for s in pattern.split("|")] == [30, 30, 30, 28]
+    one_stage = _render(HYBRID.model_copy(update={"parallelism": HYBRID.parallelism.model_copy(update={
+        "pipeline_model_parallel_size": 1, "decoder_first_pipeline_num_layers": None})}), launcher="slurm")
+    assert _flag_values(one_stage.megatron_args, "--hybrid-layer-pattern") == [NEMOTRON_H_8B]
+
+
+def test_hybrid_moe_model_keeps_its_experts_and_runs_transformer_engine_layers():
+    # Nemotron 3 Nano: 23 'E' layers of 128 experts top-6; the hybrid layer specs are TE modules only.
+    plan = Plan.model_validate({"model": {"name": "nemotron-3-nano"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 8},
+                                "training": {"seq_length": 8192, "global_batch_size": 64},
+                                "parallelism": {"expert_model_parallel_size": 8},
+                                "implementation": {"transformer_impl": "local"}})
+    art = _render(plan, allow_invalid=True)
+    argv = art.megatron_args
+    (pattern,) = _flag_values(argv, "--hybrid-layer-pattern")
+    assert pattern.count("E") == 23 and "|" not in pattern
+    assert _flag_values(argv, "--num-experts") == ["128"] and _flag_values(argv, "--mamba-num-heads") == ["64"]
+    assert "--moe-layer-freq" not in argv and "--transformer-impl" not in argv and "--no-rope-fusion" not in argv
+    assert any("transformer_impl 'local' rendered as transformer_engine" in n for n in art.notes)
+    assert as_rendered(plan, apex=False).plan.implementation.transformer_impl == "transformer_engine"
+
+
+def test_gpt_models_still_run_pretrain_gpt():
+    art = _render(DENSE)
+    assert art.program == ["/opt/megatron-lm/pretrain_gpt.py"]
+    assert not [a for a in art.megatron_args if "hybrid" in a or "mamba" in a] and "--spec" not in art.megatron_args
+
+
+def test_the_profile_target_refuses_a_hybrid_model_naming_the_field():
+    # The profile job's model_provider builds a GPTModel: it would measure another model. run_profile_job
+    # builds its job spec first (launcher/spec.py job_spec), so it refuses before any job exists.
+    from mcore_advisor.launcher.spec import job_spec
+
+    refused = r"^model\.hybrid_layer_pattern: the profile job builds GPT models only"
+    with pytest.raises(ValueError, match=refused):
+        _render(HYBRID, launcher="slurm", target="profile", profile_spec={"mode": "profile"})
+    with pytest.raises(ValueError, match=refused):
+        job_spec(HYBRID)
+    assert render_mod.profile_job_refusal(resolve_model(DENSE.model)) is None
+    assert render_mod.profile_job_refusal(resolve_model(HYBRID.model)).startswith("model.hybrid_layer_pattern")

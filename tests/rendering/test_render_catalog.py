@@ -19,7 +19,7 @@ from mcore_advisor.schemas import ModelSpec, Plan
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "benchmarks" / "megatron_args_check.py"
 
-# Catalog field -> the pretrain_gpt.py flag that carries it (megatron/training/arguments.py, 0.19.2).
+# Catalog field -> the pretrain_gpt.py / pretrain_hybrid.py flag that carries it (megatron/training/arguments.py, 0.19.2).
 VALUE_FLAGS = {
     "rotary_base": "--rotary-base",
     "rotary_percent": "--rotary-percent",
@@ -38,6 +38,11 @@ VALUE_FLAGS = {
     "mtp_num_layers": "--mtp-num-layers",
     "num_experts": "--num-experts",
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "hybrid_layer_pattern": "--hybrid-layer-pattern",
+    "mamba_num_heads": "--mamba-num-heads",
+    "mamba_head_dim": "--mamba-head-dim",
+    "mamba_state_dim": "--mamba-state-dim",
+    "mamba_num_groups": "--mamba-num-groups",
 }
 SWITCH_FLAGS = {
     "qk_layernorm": "--qk-layernorm",
@@ -47,7 +52,7 @@ SWITCH_FLAGS = {
     "swiglu": "--swiglu",
 }
 
-GPT_MODELS = sorted(k for k, m in model_catalog().items() if not m.spec.hybrid_layer_pattern)
+MODELS = sorted(model_catalog())
 HYBRID_MODELS = sorted(k for k, m in model_catalog().items() if m.spec.hybrid_layer_pattern)
 
 
@@ -73,7 +78,7 @@ def _same(text: str, value: object) -> bool:
     return float(text) == pytest.approx(float(value), rel=1e-6)
 
 
-@pytest.mark.parametrize("key", GPT_MODELS)
+@pytest.mark.parametrize("key", MODELS)
 def test_every_catalog_setting_reaches_its_flag(key):
     spec = model_catalog()[key].spec.model_dump(exclude_none=True)
     art = render_launch_script(RenderRequest(plan=_plan(key), allow_invalid=True))
@@ -120,9 +125,11 @@ def test_plan_dropout_is_rendered():
 
 
 @pytest.mark.parametrize("key", HYBRID_MODELS)
-def test_hybrid_models_are_refused_with_the_reason(key):
-    with pytest.raises(ValueError, match=r"model\.hybrid_layer_pattern.*pretrain_hybrid\.py"):
-        render_launch_script(RenderRequest(plan=_plan(key), allow_invalid=True))
+def test_hybrid_models_run_pretrain_hybrid_and_gpt_models_pretrain_gpt(key):
+    art = render_launch_script(RenderRequest(plan=_plan(key), allow_invalid=True))
+    assert art.program[0].endswith("/pretrain_hybrid.py") and "--hybrid-layer-pattern" in art.megatron_args
+    gpt = render_launch_script(RenderRequest(plan=_plan("llama3-8b"), allow_invalid=True))
+    assert gpt.program[0].endswith("/pretrain_gpt.py") and "--hybrid-layer-pattern" not in gpt.megatron_args
 
 
 def _check_module():
@@ -140,7 +147,7 @@ def test_megatron_accepts_every_catalog_script_and_the_representative_set(tmp_pa
         pytest.skip("megatron-core with megatron.training is not installed")
     mod = _check_module()
     files = sorted(mod.ARGS_DIR.glob("*.txt"))
-    for key in GPT_MODELS:
+    for key in MODELS:
         path = tmp_path / f"catalog_{key}.txt"
         path.write_text(mod.args_file_text(f"catalog_{key}", _plan(key), {"allow_invalid": True}))
         files.append(path)

@@ -69,9 +69,15 @@ def test_held_out_rule_is_crc32_mod_3_and_about_a_third(lines2):
 
 
 def test_four_gpu_set_builds():
-    real = [x for x in configs_multi.spec_lines(4) if x["group"] == "multi"]
-    assert {x["spec"]["dims"]["world_size"] for x in real} == {4}
-    assert any(x["spec"]["dims"]["ep"] == 4 for x in real) and any(x["spec"]["dims"]["tp"] == 4 for x in real)
+    lines = configs_multi.spec_lines(4)
+    real = [x for x in lines if x["group"] == "multi"]
+    # the 4-GPU plans, then the TE-only 2-GPU plans (run two at a time on GPU pairs)
+    assert {x["spec"]["dims"]["world_size"] for x in real} == {4, 2}
+    assert {x["name"] for x in real if x["nproc"] == 2} == set(configs_multi.TE_ONLY_2GPU)
+    four = [x for x in real if x["nproc"] == 4]
+    assert any(x["spec"]["dims"]["ep"] == 4 for x in four) and any(x["spec"]["dims"]["tp"] == 4 for x in four)
+    # the at-scale memory rows issue 14 still lacked ride along, one GPU each
+    assert [x["name"] for x in lines if x["group"] == "at_scale"] == list(configs_multi.AT_SCALE_ROWS)
 
 
 def test_fake_pair_compares_the_rank_it_played():

@@ -228,7 +228,7 @@ async def test_concurrent_searches_are_bounded(server, monkeypatch):
     real = app._recommend(app.recommend_request({"model": "llama3-8b", "num_gpus": 8, "what_if": False}))
     running, peak = 0, 0
 
-    def slow_search(request, clock=None):
+    def slow_search(request, clock=None, cpu_clock=None):
         nonlocal running, peak
         running += 1
         peak = max(peak, running)

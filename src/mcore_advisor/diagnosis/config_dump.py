@@ -15,20 +15,34 @@ from __future__ import annotations
 
 import re
 
+from mcore_advisor.knowledge import megatron_flags
 from mcore_advisor.knowledge.models import catalog_model, model_catalog, resolve_model
 from mcore_advisor.schemas import ModelSpec, Plan
 
 # Sections tried in order for an unqualified key: Bridge/NeMo-1 blocks, then NeMo-Run reprs, then bare keys.
 _SECTIONS = ("model", "train", "dataset", "ddp", "optimizer", "trainer", "strategy", "data", "inline", "")
 
-_SHAPE = {  # ModelSpec field -> config key names (Megatron-Core TransformerConfig / NeMo)
-    "num_layers": ("num_layers",), "hidden_size": ("hidden_size",), "num_attention_heads": ("num_attention_heads",),
-    "num_query_groups": ("num_query_groups",), "ffn_hidden_size": ("ffn_hidden_size",), "kv_channels": ("kv_channels",),
-    "vocab_size": ("vocab_size",), "num_experts": ("num_moe_experts", "num_experts"), "moe_router_topk": ("moe_router_topk",),
-    "moe_ffn_hidden_size": ("moe_ffn_hidden_size",),
+# Megatron-LM argument names (the destinations knowledge/megatron_flags.py reads) under the names the
+# Bridge / NeMo configs give them, where they differ: Megatron-Core's TransformerConfig (num_moe_experts),
+# Bridge's dataset config (sequence_length), NeMo 1's YAML (encoder_seq_length, activations_checkpoint_*),
+# ModelParallelConfig / NeMo's strategy (virtual_pipeline_model_parallel_size).
+_CONFIG_NAMES = {
+    "num_experts": ("num_moe_experts",),
+    "seq_length": ("sequence_length", "encoder_seq_length"),
+    "num_virtual_stages_per_pipeline_rank": ("virtual_pipeline_model_parallel_size",),
+    "recompute_granularity": ("activations_checkpoint_granularity",),
+    "recompute_method": ("activations_checkpoint_method",),
+    "recompute_num_layers": ("activations_checkpoint_num_layers",),
 }
-_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-             "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "recompute_num_layers")
+# The model dimensions a dump gives (Megatron argument names), to find the catalog model.
+_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
+          "vocab_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size")
+# What the table reads from a dump: the layout and recompute, precision and FP8, dropout and batch sizes.
+_READ = ("parallelism.", "training.")
+
+
+def _names(dest: str) -> tuple[str, ...]:
+    return (dest, *_CONFIG_NAMES.get(dest, ()))
 
 
 def _get(values: dict[str, str], *names: str) -> str | None:
@@ -46,11 +60,6 @@ def _int(values: dict[str, str], *names: str) -> int | None:
         return int(float(v)) if v is not None else None
     except ValueError:
         return None
-
-
-def _bool(values: dict[str, str], *names: str) -> bool | None:
-    v = _get(values, *names)
-    return {"true": True, "false": False}.get(v.lower()) if v is not None else None
 
 
 def _squash(name: str) -> str:
@@ -101,7 +110,7 @@ def plan_from_config_dump(values: dict[str, str], model_names: list[str], *, gpu
     caller's) override it, `world_size` (Megatron's own line) and `global_batch_size` (the log's iteration
     lines) fill what it lacks. Raises ValueError naming exactly what is still missing."""
     notes: list[str] = []
-    shape = {f: v for f, names in _SHAPE.items() if (v := _int(values, *names)) is not None}
+    shape = {f: v for f in _SHAPE if (v := _int(values, *_names(f))) is not None}
     key = catalog_key_for([model] if model else []) or catalog_key_for(model_names) or _shape_match(shape)
     missing: list[str] = []
     if model and not key:
@@ -111,7 +120,9 @@ def plan_from_config_dump(values: dict[str, str], model_names: list[str], *, gpu
     world = num_gpus or _int(values, "world_size") or _world_from_devices(values) or world_size
     if world is None:
         missing.append("num_gpus (the job's GPU count)")
-    seq = seq_length or _int(values, "seq_length", "sequence_length", "encoder_seq_length")
+    read = _read_with_the_table(values, shape)
+    training, par = read["training"], read["parallelism"]
+    seq = seq_length or training.get("seq_length")
     if seq is None and key is not None:
         seq = catalog_model(key).spec.seq_length_max
         if seq is not None:
@@ -125,37 +136,31 @@ def plan_from_config_dump(values: dict[str, str], model_names: list[str], *, gpu
     spec = {"name": key, **shape} if key else shape
     if key:
         notes.append(f"model read as catalog '{key}'" + (" (from the config dump)" if not model else ""))
-    training: dict = {"seq_length": seq}
-    for k in ("global_batch_size", "micro_batch_size"):
-        if (v := _int(values, k)) is not None:
-            training[k] = v
+    training["seq_length"] = seq
     if "global_batch_size" not in training and global_batch_size:
         training["global_batch_size"] = global_batch_size
-    fp8 = _get(values, "fp8")
-    if fp8 in ("hybrid", "e4m3"):
-        training.update(precision="fp8", fp8_format=fp8)
-    for k in ("attention_dropout", "hidden_dropout"):
-        v = _get(values, k)
-        if v is not None and re.fullmatch(r"[0-9.eE+-]+", v) and 0 <= float(v) < 1:
-            training[k] = float(v)
-    par: dict = {k: v for k in _PARALLEL if (v := _int(values, k)) is not None}
-    for k in ("sequence_parallel", "use_distributed_optimizer"):
-        if (v := _bool(values, k)) is not None:
-            par[k] = v
-    gran = _get(values, "recompute_granularity")
-    if gran in ("selective", "full"):
-        par["recompute_granularity"] = gran
-        if (meth := _get(values, "recompute_method")) in ("uniform", "block"):
-            par["recompute_method"] = meth
-    else:
-        par.pop("recompute_num_layers", None)
-    if par.get("virtual_pipeline_model_parallel_size", 2) < 2:
-        par.pop("virtual_pipeline_model_parallel_size")
     cluster = {"num_gpus": world, "gpu": gpu or "h100-sxm"}
     if gpu is None:
         notes.append("the log does not name the GPU: assumed h100-sxm (pass gpu)")
     plan = Plan.model_validate({"model": spec, "cluster": cluster, "training": training, "parallelism": par})
     return plan, notes
+
+
+def _read_with_the_table(values: dict[str, str], shape: dict) -> dict[str, dict]:
+    """The plan's parallelism and training fields the dump gives, read by megatron_flags.parse (the one
+    Plan <-> Megatron table) from the dump's values under Megatron's argument names; the model's
+    dimensions (`shape`) are context for the table's gates (EP only with experts)."""
+    rows = [r for r in megatron_flags.TABLE if any(f.startswith(_READ) for f in
+                                                   ((r.field,) if isinstance(r, megatron_flags.Entry) else r.fields))]
+    args = {dest: v for row in rows for arg in row.args if (v := _get(values, *_names(dest := arg.key))) is not None}
+    if (args.get("fp8") or "").lower() in ("false", "0"):
+        args["fp8"] = None  # NeMo 1's `fp8: False`; Megatron prints None when FP8 is off
+    parsed = megatron_flags.parse(args, {f"model.{k}": v for k, v in shape.items()})
+    training = parsed.sections["training"]
+    for k in ("attention_dropout", "hidden_dropout"):
+        if not 0 <= training.get(k, 0) < 1:
+            del training[k]  # not a probability (an unresolved interpolation, say): Megatron's plan default
+    return {"training": training, "parallelism": parsed.sections["parallelism"]}
 
 
 def _world_from_devices(values: dict[str, str]) -> int | None:

@@ -14,7 +14,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.diagnosis.logparse import NcclTimeout, ParsedLog
-from mcore_advisor.knowledge.models import count_params, resolve_model
+from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.anatomy import count_params
 from mcore_advisor.schemas import Plan, parallel_dims
 
 FailureKind = Literal["nccl_timeout", "import_error", "argument_error", "nccl_error", "cuda_error", "host_oom_kill",

@@ -1,6 +1,7 @@
 """Plan fields <-> Megatron-LM arguments: the one table.
 
-Every plan field that reaches Megatron-LM's `pretrain_gpt.py` has one row here: its flag, the
+Every plan field that reaches Megatron-LM's `pretrain_gpt.py` (or `pretrain_hybrid.py` for a hybrid Mamba
+model: the same arguments plus the hybrid rows) has one row here: its flag, the
 argparse destination the flag stores into (what Megatron's `---- arguments ----` dump and a profile
 job's result.json print), how it is given (`value`, `store_true`, `store_false`, `list` for nargs
 '+'/'*'), Megatron's parser default (megatron/training/arguments.py, megatron-core 0.19.2) and why it
@@ -22,6 +23,8 @@ not read back for it either. Pure: no I/O.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import re
 import types
@@ -39,6 +42,7 @@ from mcore_advisor.schemas import (
     ParallelismSpec,
     Plan,
     TrainingSpec,
+    layers_per_stage,
     parallel_dims,
 )
 
@@ -126,6 +130,8 @@ rope = _gate("model.position_embedding_type", lambda v: v == "rope")
 fp8 = _gate("training.precision", lambda v: v == "fp8")
 loss_fusion = _gate("implementation.cross_entropy_loss_fusion", bool)
 manual_gc = _gate("implementation.manual_gc", bool)
+mamba = _gate("model.hybrid_layer_pattern", lambda v: bool(v) and "M" in v)
+cuda_graphs = _gate("implementation.cuda_graph_impl", lambda v: v in ("local", "transformer_engine"))
 _te_spec = _gate("implementation.transformer_impl", lambda v: v == "transformer_engine")
 
 
@@ -274,6 +280,7 @@ def _raw(args: Mapping[str, Any], key: str) -> Any:
 LEGACY_DESTS: dict[str, tuple[str, bool]] = {
     "norm_epsilon": ("layernorm_epsilon", False),
     "accumulate_allreduce_grads_in_fp32": ("grad_reduce_in_bf16", True),
+    "hybrid_override_pattern": ("hybrid_layer_pattern", False),
 }
 
 
@@ -426,13 +433,14 @@ def moe_layer_freq(pattern: tuple[int, ...]) -> str | None:
 
 
 def _render_moe_freq(view: RenderView) -> list[Flag]:
-    freq = moe_layer_freq(view.shape.moe_layer_pattern) if view.shape.is_moe else None
+    # A hybrid model's MoE layers are its pattern's 'E' symbols; HybridModel never reads --moe-layer-freq.
+    freq = moe_layer_freq(view.shape.moe_layer_pattern) if view.shape.is_moe and not view.shape.is_hybrid else None
     return [] if freq is None else _v(("--moe-layer-freq", freq, "model.moe_layer_freq: which layers are MoE"))
 
 
 def _parse_moe_freq(args: Mapping[str, Any], parsed: _Parsed) -> None:
     raw = args.get("moe_layer_freq")
-    if _blank(raw) or not moe(parsed.get):
+    if _blank(raw) or not moe(parsed.get) or parsed.get(_HYBRID) not in (MISSING, None):
         return
     text = str(raw).strip()
     if isinstance(raw, int) or text.isdigit():
@@ -441,6 +449,80 @@ def _parse_moe_freq(args: Mapping[str, Any], parsed: _Parsed) -> None:
     bits = [int(b) for b in (raw if isinstance(raw, list) else re.findall(r"\d+", text))]
     if bits and bits == [b for b in bits if b in (0, 1)] and len(bits) == parsed.get("model.num_layers"):
         parsed.put("model.moe_layer_freq", bits)
+
+
+_HYBRID = "model.hybrid_layer_pattern"
+#: The layer specs pretrain_hybrid.py builds a hybrid model from (--spec module, name): Megatron-Core 0.19's
+#: canonical hybrid stack (models/hybrid/hybrid_layer_specs.py; the old mamba_layer_specs path re-exports it).
+#: Named explicitly: Megatron-LM's hybrid_builder (hybrid_builders.py, main branch) raises "You must provide a
+#: valid hybrid layer spec via --spec" without it; 0.19's HybridModelConfig would default to the same spec.
+HYBRID_STACK_SPEC = ("megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec")
+
+
+def hybrid_stage_pattern(view: RenderView) -> str:
+    """The plan's hybrid pattern with a '|' after each pipeline stage's layers (PP > 1).
+
+    Megatron-LM 0.19 places a hybrid model's layers on pipeline stages by the pattern's '|' segments
+    (hybrid_layer_allocation.select_pipeline_segment: segment vp * PP + pp_rank); a pattern without them
+    still splits at run time but is deprecated there, and validate_args forbids
+    --decoder-first/last-pipeline-num-layers beside '|'. So the stages carry the plan's split, from
+    schemas.layers_per_stage (the split the memory and time models use)."""
+    s, p = view.shape, view.plan.parallelism
+    pattern, pp = s.hybrid_layer_pattern or "", p.pipeline_model_parallel_size
+    if pp == 1:
+        return pattern
+    try:
+        counts = layers_per_stage(s.num_layers, pp, p.decoder_first_pipeline_num_layers,
+                                  p.decoder_last_pipeline_num_layers)
+    except ValueError:
+        return pattern  # an impossible split: the validators name it, Megatron rejects the pattern too
+    ends = list(itertools.accumulate(counts))
+    return "|".join(pattern[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True))
+
+
+def _render_hybrid(view: RenderView) -> list[Flag]:
+    if not view.shape.is_hybrid:
+        return []
+    why = "model.hybrid_layer_pattern: one symbol per layer (M Mamba-2, * attention, - MLP, E MoE)"
+    if view.plan.parallelism.pipeline_model_parallel_size > 1:
+        why += "; '|' ends each pipeline stage (parallelism's split, decoder_first/last_pipeline_num_layers included)"
+    return [make_flag("--hybrid-layer-pattern", hybrid_stage_pattern(view), why=why),
+            make_flag("--spec", *HYBRID_STACK_SPEC, why="Megatron-Core's hybrid layer specs (Mamba, attention, MLP "
+                      "and MoE layers of Transformer Engine modules)")]
+
+
+def stage_split(counts: list[int]) -> tuple[int | None, int | None] | None:
+    """decoder_first/last_pipeline_num_layers that give these per-stage layer counts (layers_per_stage's
+    inverse, the fewest fields set); None when no pair does."""
+    pp, total = len(counts), sum(counts)
+    for first, last in ((None, None), (counts[0], None), (None, counts[-1]), (counts[0], counts[-1])):
+        with contextlib.suppress(ValueError):
+            if layers_per_stage(total, pp, first, last) == counts:
+                return first, last
+    return None
+
+
+def _parse_hybrid(args: Mapping[str, Any], parsed: _Parsed) -> None:
+    if "hybrid_layer_pattern" not in args:
+        return
+    raw = args["hybrid_layer_pattern"]
+    if _blank(raw):
+        parsed.put(_HYBRID, None)  # a GPT run: its printed Mamba defaults say nothing (the mamba gate closes)
+        return
+    # '/' starts the MTP depths' patterns: mtp_num_layers is read by its own row (validate_args infers it).
+    segments = str(raw).strip().split("/")[0].split("|")
+    parsed.put(_HYBRID, "".join(segments))
+    pp = parsed.get("parallelism.pipeline_model_parallel_size")
+    if len(segments) == 1 or pp in (MISSING, None):
+        return
+    split = stage_split([len(seg) for seg in segments]) if len(segments) == pp else None
+    if split is None:
+        parsed.notes.append(f"hybrid_layer_pattern has {len(segments)} '|' segments over {pp} pipeline stages: "
+                            "a split decoder_first/last_pipeline_num_layers cannot describe; the even split is assumed")
+        return
+    for name, v in zip(("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"), split, strict=True):
+        if v is not None:
+            parsed.put(f"parallelism.{name}", v)
 
 
 def rope_scaling_kind(shape: ModelShape) -> str:
@@ -573,6 +655,11 @@ def _differs_from_h_over_n(get: Get) -> bool:
     return bool(h % n) or get("model.kv_channels") != h // n
 
 
+def _not_hybrid(get: Get) -> bool:
+    # A hybrid model's stages are its pattern's '|' segments (validate_args forbids these flags beside them).
+    return not get(_HYBRID)
+
+
 def _truthy(path: str) -> Callable[[Get], bool]:
     return lambda get: bool(get(path))
 
@@ -604,9 +691,9 @@ LAYOUT: tuple[Row, ...] = (
     _s("virtual_stages", (_P + "virtual_pipeline_model_parallel_size",),
        (Arg("--num-virtual-stages-per-pipeline-rank", "value"),), _render_vp, _parse_vp),
     _e(_P + "decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", "value",
-       "parallelism.decoder_first_pipeline_num_layers: uneven PP split"),
+       "parallelism.decoder_first_pipeline_num_layers: uneven PP split", render_if=_not_hybrid),
     _e(_P + "decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", "value",
-       "parallelism.decoder_last_pipeline_num_layers: uneven PP split"),
+       "parallelism.decoder_last_pipeline_num_layers: uneven PP split", render_if=_not_hybrid),
     _e(_P + "account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", "store_true",
        "parallelism.account_for_embedding_in_pipeline_split: the embedding counts as a layer in the PP split",
        default=False),
@@ -636,6 +723,8 @@ LAYOUT: tuple[Row, ...] = (
 
 MODEL: tuple[Row, ...] = (
     _e(_M + "num_layers", "--num-layers", "value", "model.num_layers: transformer blocks", always=True),
+    _s("hybrid_layer_pattern", (_HYBRID,), (Arg("--hybrid-layer-pattern", "value"), Arg("--spec", "list")),
+       _render_hybrid, _parse_hybrid),
     _e(_M + "hidden_size", "--hidden-size", "value", "model.hidden_size: width h", always=True),
     _e(_M + "num_attention_heads", "--num-attention-heads", "value", "model.num_attention_heads", always=True),
     _e(_M + "ffn_hidden_size", "--ffn-hidden-size", "value",
@@ -680,6 +769,16 @@ MODEL: tuple[Row, ...] = (
     _e(_M + "v_head_dim", "--v-head-dim", "value", "model.v_head_dim", default=128, always=True, gate=mla),
     _e(_M + "mtp_num_layers", "--mtp-num-layers", "value", "model.mtp_num_layers: multi-token prediction",
        render_if=_truthy(_M + "mtp_num_layers")),
+    # Mamba-2 mixer shape (TransformerConfig: mamba_head_dim 64, mamba_state_dim 128, mamba_num_groups 8,
+    # mamba_num_heads None = 2h / head dim); spelt out, as the FLOP count in Megatron's log reads them.
+    _e(_M + "mamba_num_heads", "--mamba-num-heads", "value", "model.mamba_num_heads: Mamba-2 heads",
+       always=True, gate=mamba),
+    _e(_M + "mamba_head_dim", "--mamba-head-dim", "value", "model.mamba_head_dim: Mamba-2 head dim P",
+       default=64, always=True, gate=mamba),
+    _e(_M + "mamba_state_dim", "--mamba-state-dim", "value", "model.mamba_state_dim: SSM state size N",
+       default=128, always=True, gate=mamba),
+    _e(_M + "mamba_num_groups", "--mamba-num-groups", "value", "model.mamba_num_groups: B/C groups G",
+       default=8, always=True, gate=mamba),
 )
 
 # Model settings: they change what the model computes but not its cost; each one the catalog or the
@@ -761,6 +860,11 @@ PRECISION: tuple[Row, ...] = (
     _e(_I + "check_for_nan_in_loss_and_grad", "--no-check-for-nan-in-loss-and-grad", "store_false",
        "implementation.check_for_nan_in_loss_and_grad false: no NaN/Inf checks of the loss and gradients",
        dest="check_for_nan_in_loss_and_grad", default=True),
+    _e(_I + "cuda_graph_impl", "--cuda-graph-impl", "value",
+       "implementation.cuda_graph_impl: layers (or the iteration) replayed as CUDA graphs, one launch each", default="none"),
+    _e(_I + "cuda_graph_modules", "--cuda-graph-modules", "list",
+       "implementation.cuda_graph_modules: the parts of each layer captured (none listed = the whole layer)", default=[],
+       gate=cuda_graphs),
 )
 
 MOE_IMPL: tuple[Row, ...] = (

@@ -18,6 +18,7 @@ from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.launcher.entry.profile import job_iterations
 from mcore_advisor.physics.memory import memory_breakdown
+from mcore_advisor.rendering.render import profile_job_refusal
 from mcore_advisor.schemas import Plan, parallel_dims
 from mcore_advisor.tools.render import LaunchArtifact, RenderRequest, render_launch_script
 
@@ -106,6 +107,9 @@ def job_spec(
         profile_steps = (int(first), int(last))
 
     shape = resolve_model(plan.model)
+    refusal = profile_job_refusal(shape)  # e.g. hybrid Mamba models: entry/gpt.py builds GPTModels only
+    if refusal:
+        raise ValueError(refusal)
     g = gpu(plan.cluster.gpu)
     d = parallel_dims(plan)
     p, t = plan.parallelism, plan.training

@@ -17,6 +17,9 @@ shared experts; 'full' here keeps HEAD's per-layer MoE accounting and changes on
 Megatron multiplies the logits term by `args.padded_vocab_size` (Megatron's
 `_vocab_size_with_padding`: V rounded up to make_vocab_size_divisible_by * TP), so TP can change
 the count by a few ppm; pass `tensor_model_parallel_size` (or an explicit padded vocab).
+
+Each part is counted from the one description of a layer, physics.anatomy, which the profile job's
+counter (launcher/entry/profile.py) calls too.
 """
 
 from __future__ import annotations
@@ -26,15 +29,10 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from mcore_advisor.physics.mamba import mamba_flops_per_token
+from mcore_advisor.physics.anatomy import FWD_BWD as _FWD_BWD
+from mcore_advisor.physics.anatomy import Convention, flops_per_token_parts
+from mcore_advisor.physics.anatomy import flops_per_iteration as anatomy_flops_per_iteration
 from mcore_advisor.schemas import ModelShape, ParallelismSpec
-
-Convention = Literal["causal", "full"]
-
-# Megatron's constants: 3 GEMMs per weight per step (fwd, dgrad, wgrad), 2 FLOPs per multiply-add.
-_FWD_BWD = 3
-_FMA = 2
-_GEMM = _FWD_BWD * _FMA
 
 
 class FlopsPerToken(BaseModel):
@@ -74,50 +72,8 @@ class FlopsPerToken(BaseModel):
         )
 
 
-def _layer_counts(shape: ModelShape) -> tuple[int, int, int]:
-    """(dense MLP layers, MoE layers, attention layers) incl. MTP layers, as Megatron counts them.
-
-    Megatron: MTP layers copy the type of the last decoder layer (dense or MoE). A hybrid pattern
-    counts its '-', 'E' and '*' layers (training.py hybrid_flops; MTP is not modelled there).
-    """
-    if shape.is_hybrid:
-        return shape.num_dense_layers, shape.num_moe_layers, shape.num_attention_layers
-    mtp = shape.mtp_num_layers
-    if shape.num_experts:
-        moe = shape.num_moe_layers
-        dense = shape.num_layers - moe
-        last_is_moe = shape.moe_layer_pattern[-1]
-        moe += last_is_moe * mtp
-        dense += (1 - last_is_moe) * mtp
-    else:
-        dense, moe = shape.num_layers + mtp, 0
-    return dense, moe, shape.num_layers + mtp
-
-
-def attention_flops_per_token_per_layer(shape: ModelShape, seq_length: int, convention: Convention = "causal") -> tuple[float, float]:
-    """(linear, core) fwd+bwd FLOPs per token for one attention layer.
-
-    MHA/GQA (training.py transformer_flops): linear = 6*(h*(q + 2*g*d) + q*h) with q = n*d;
-    core = 6*q*s*(1/2 causal)*2 (QK^T and PV). MLA: linear = 6*(q_term + r_kv*(h + n*(d_qk + d_v) + 1)
-    + h*d_rope + n*d_v*h), core = 6*s*(n*(d_qk + d_rope) + n*d_v)/2 for causal.
-    """
-    h, n, s = shape.hidden_size, shape.num_attention_heads, seq_length
-    causal_factor = 0.5 if convention == "causal" else 1.0
-    if shape.multi_latent_attention:
-        d_qk, d_rope, d_v, r_kv = shape.qk_head_dim, shape.qk_pos_emb_head_dim, shape.v_head_dim, shape.kv_lora_rank
-        if shape.q_lora_rank is None:
-            q_term = h * n * (d_qk + d_rope)
-        else:
-            q_term = shape.q_lora_rank * (h + n * (d_qk + d_rope) + 1)
-        linear = q_term + r_kv * (h + n * (d_qk + d_v) + 1) + h * d_rope + n * d_v * h
-        core = s * (n * (d_qk + d_rope) + n * d_v) * causal_factor
-    else:
-        d = shape.kv_channels
-        q = n * d
-        kv = 2 * shape.num_query_groups * d
-        linear = h * (q + kv) + q * h
-        core = q * s * causal_factor * 2
-    return _GEMM * linear, _GEMM * core
+def _padded_vocab(shape: ModelShape, tensor_model_parallel_size: int, padded_vocab_size: int | None) -> int:
+    return padded_vocab_size if padded_vocab_size is not None else shape.padded_vocab_size(tensor_model_parallel_size)
 
 
 def flops_per_token_breakdown(
@@ -133,26 +89,9 @@ def flops_per_token_breakdown(
     `padded_vocab_size` defaults to shape.padded_vocab_size(tensor_model_parallel_size), which is
     what Megatron's `args.padded_vocab_size` holds after tokenizer setup.
     """
-    if convention not in ("causal", "full"):
-        raise ValueError(f"convention must be 'causal' or 'full', got {convention!r}")
-    V = padded_vocab_size if padded_vocab_size is not None else shape.padded_vocab_size(tensor_model_parallel_size)
-    h = shape.hidden_size
-    dense, moe, attn_layers = _layer_counts(shape)
-    # SwiGLU: fc1 is h -> 2f (gate + up) and fc2 f -> h, i.e. 3 h*f GEMMs; GeLU: 2.
-    ffn_mult = 3 if shape.swiglu else 2
-    lin, core = attention_flops_per_token_per_layer(shape, seq_length, convention)
-    mtp = shape.mtp_num_layers
-    parts = dict(
-        attention_linear_flops=float(lin * attn_layers),
-        core_attention_flops=float(core * attn_layers),
-        dense_mlp_flops=float(_GEMM * h * shape.ffn_hidden_size * ffn_mult * dense),
-        moe_routed_flops=float(_GEMM * h * shape.moe_ffn_hidden_size * shape.moe_router_topk * ffn_mult * moe),
-        moe_shared_flops=float(_GEMM * h * shape.moe_shared_expert_intermediate_size * ffn_mult * moe),
-        # training.py: "MTP eh norm + final norm" 3h and "eh proj" 2h*h per MTP layer.
-        mtp_extra_flops=float(_GEMM * mtp * (3 * h + 2 * h * h)),
-        logits_flops=float(_GEMM * h * V * (mtp + 1)),
-        mamba_flops=mamba_flops_per_token(shape) * shape.num_mamba_layers,
-    )
+    V = _padded_vocab(shape, tensor_model_parallel_size, padded_vocab_size)
+    parts = flops_per_token_parts(shape, seq_length, convention, V)
+    attn_layers = parts.pop("num_attention_layers")
     return FlopsPerToken(
         convention=convention,
         seq_length=seq_length,
@@ -177,11 +116,8 @@ def flops_per_iteration(
     Divide by (iteration time * 1e12 * world size) for Megatron's TFLOP/s/GPU log figure (in the
     'causal' convention for Megatron >= 2025-03, 'full' for older releases and NeMo 24.x).
     """
-    per_token = flops_per_token_breakdown(
-        shape, seq_length, convention,
-        tensor_model_parallel_size=tensor_model_parallel_size, padded_vocab_size=padded_vocab_size,
-    )
-    return per_token.total_flops * global_batch_size * seq_length
+    V = _padded_vocab(shape, tensor_model_parallel_size, padded_vocab_size)
+    return anatomy_flops_per_iteration(shape, seq_length, global_batch_size, convention, padded_vocab_size=V)
 
 
 def recomputed_layer_fraction(num_layers_per_chunk, recompute_method, recompute_num_layers):

@@ -58,6 +58,8 @@ class Implementation:
     check_for_nan_in_loss_and_grad: bool = True
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    cuda_graph_impl: str = "none"
+    cuda_graph_modules: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, im: ImplementationSpec, *, fp8_recipe: str = "delayed", fp8_param_gather: bool = False,
@@ -68,7 +70,7 @@ class Implementation:
         base = {name: getattr(im, name) for name in _FROM_SPEC}
         mods = tuple(recompute_modules) if recompute_modules is not None else None
         return cls(**{**base, "fp8_recipe": fp8_recipe, "fp8_param_gather": fp8_param_gather,
-                      "recompute_modules": mods, **overrides})
+                      "recompute_modules": mods, "cuda_graph_modules": tuple(im.cuda_graph_modules or ()), **overrides})
 
     @property
     def unfused_attention(self) -> bool:

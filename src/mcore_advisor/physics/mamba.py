@@ -6,54 +6,25 @@ A hybrid model (`ModelShape.hybrid_layer_pattern`) stacks one-block layers: 'M' 
 This module holds the Mamba mixer's physics (Megatron `core/ssm/mamba_mixer.py`, training path
 `_ssm_training` -> mamba_ssm `mamba_split_conv1d_scan_combined`) and the assembly of the other
 layer kinds from the halves of a GPT layer that physics.memory and physics.step_time compute; it
-imports neither (they call it), so each formula stays in one place. Parameters are counted in
-knowledge.models (`mamba_params_per_layer`, `linear_weights(shape)['mamba']`).
+imports neither (they call it), so each formula stays in one place. The mixer's matrices, its
+parameters and Megatron's FLOP count are physics.anatomy's (the one description of every layer kind).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mcore_advisor.knowledge.models import (
-    attention_params_per_rank,
-    linear_weights,
-    mamba_params_per_layer,
-    mlp_params,
-    norm_params,
-)
-from mcore_advisor.schemas import ModelShape
+from mcore_advisor.physics.anatomy import anatomy, mamba_flops_per_token  # noqa: F401 (re-exported)
+from mcore_advisor.schemas import ModelShape, mamba_conv_dim
+from mcore_advisor.schemas import mamba_in_proj_width as in_proj_width
 
 # MambaMixer's chunk_size: SSD works on 128-token chunks and materialises one fp32 state
 # (head_dim x state_dim per head) per chunk.
 SSD_CHUNK = 128
-
-
-def in_proj_width(shape: ModelShape) -> int:
-    """Outputs of in_proj: z and x (d_inner each), B and C (groups x state each), dt (one per head)."""
-    return 2 * shape.mamba_d_inner + 2 * shape.mamba_num_groups * shape.mamba_state_dim + shape.mamba_num_heads
-
-
-# ---------------------------------------------------------------------------------------------
-# FLOPs
-# ---------------------------------------------------------------------------------------------
-
-
-def mamba_flops_per_token(shape: ModelShape) -> float:
-    """Training FLOPs (fwd + bwd) of one Mamba layer per token, as Megatron-LM counts them.
-
-    megatron/training/training.py `num_floating_point_operations` -> `hybrid_flops` ->
-    `mamba_layer_flops`, times 3 for forward + backward: in_proj 2*h*(2*d_in + 2*G*N + heads),
-    scan 7*d_in*N, out_proj 2*d_in*h, where Megatron takes d_in = 2*hidden_size even when
-    mamba_num_heads x mamba_head_dim differs (Nemotron 3 Nano: 4096 built vs 5376 counted). This is
-    the count behind Megatron's TFLOP/s log line; step_time times the GEMMs at their built sizes.
-    """
-    h, n, g, heads = shape.hidden_size, shape.mamba_state_dim, shape.mamba_num_groups, shape.mamba_num_heads
-    d_in = 2 * h
-    fwd = 2 * h * (2 * d_in + 2 * g * n + heads) + 7 * d_in * n + 2 * d_in * h
-    return 3.0 * fwd
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,33 +81,12 @@ def hybrid_layer_bytes(shape: ModelShape, dense: dict[str, float], moe: dict[str
 
 
 def hybrid_rank_params(shape: ModelShape, layers: list[int], tp: int, ep: int, etp: int) -> tuple[float, float, float]:
-    """(non-expert, expert, FP8-eligible linear) parameters of a hybrid stage's `layers` on one rank.
-
-    Mamba: in_proj, out_proj, conv1d, dt_bias, A_log, D and the gated norm are all split over TP
-    (MambaMixer marks each tensor_model_parallel); attention as `attention_params_per_rank`; MLP and
-    shared experts over TP; routed experts over EP x ETP; pre-norms and the router whole.
-    """
-    h, E = shape.hidden_size, shape.num_experts or 0
-    lw = linear_weights(shape)
-    norm = norm_params(shape, h)
-    mamba_linear = sum(r * c for r, c, _ in lw["mamba"])
-    shared = mlp_params(shape, shape.moe_shared_expert_intermediate_size) if shape.moe_shared_expert_intermediate_size else 0
-    per_kind = {  # symbol -> (non-expert on this rank, FP8-eligible linear weights on this rank)
-        "M": (mamba_params_per_layer(shape) / tp, mamba_linear / tp),
-        "*": (attention_params_per_rank(shape, tp), attention_params_per_rank(shape, tp)),
-        "-": (mlp_params(shape, shape.ffn_hidden_size) / tp, mlp_params(shape, shape.ffn_hidden_size) / tp),
-        "E": (shared / tp + h * E, shared / tp),
-    }
-    dense = fp8 = expert = 0.0
-    pattern = shape.hybrid_layer_pattern or ""
-    for i in layers:
-        own, lin = per_kind[pattern[i]]
-        dense += own + norm
-        fp8 += lin
-    n_moe = sum(1 for i in layers if pattern[i] == "E")
-    if E:
-        expert = n_moe * E * mlp_params(shape, shape.moe_ffn_hidden_size) / (ep * etp)
-    return dense, expert, fp8 + expert
+    """(non-expert, expert, FP8-eligible linear) parameters of a hybrid stage's `layers` on one rank,
+    each layer as physics.anatomy describes its block (Mamba: every tensor split over TP, as
+    MambaMixer marks each tensor_model_parallel), its one pre-norm whole."""
+    a = anatomy(shape)
+    out = [a.layer_params_on_rank(a.layers[i], tp, ep, etp) for i in layers]
+    return tuple(float(sum(x[k] for x in out)) for k in range(3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,13 +105,31 @@ def ssd_scan_bytes_per_token(shape: ModelShape, tp: Any) -> Any:
     state (head_dim x state) per head and chunk, and writes the gated output and the pre-gate output
     (bf16, d_inner each)."""
     d_in = shape.mamba_d_inner
-    conv = 2 * 2.0 * (d_in + 2 * shape.mamba_num_groups * shape.mamba_state_dim)
+    conv = 2 * 2.0 * mamba_conv_dim(shape)
     states = 2 * 4.0 * d_in * shape.mamba_state_dim / SSD_CHUNK
     return (2.0 * in_proj_width(shape) + conv + states + 2 * 2.0 * d_in) / tp
 
 
-def mamba_layer_parts(shape: ModelShape, *, T: Any, T_sp: Any, tp: Any, linear_s: Callable, tp_comm: Callable,
-                      cp_a2a: Callable, bw_ew: float, rate: float, kernel_s: float, norm_resid_bytes: float) -> dict:
+@dataclass(frozen=True, slots=True)
+class MambaTiming:
+    """What step_time hands the Mamba layer's time: tokens per micro-batch on the rank (`T`; `T_sp`
+    with SP), TP, its GEMM timer (`linear_s(m, n, k)` -> forward, dgrad, wgrad seconds), its TP
+    communication of a column -> row block (`tp_comm`) and CP all-to-all (`cp_a2a(bytes)`), the
+    elementwise bandwidth, the GEMM rate, one kernel launch, and the pre-norm + residual bytes per token."""
+
+    T: Any
+    T_sp: Any
+    tp: Any
+    linear_s: Callable
+    tp_comm: Callable
+    cp_a2a: Callable
+    bw_ew: float
+    rate: float
+    kernel_s: float
+    norm_resid_bytes: float
+
+
+def mamba_layer_parts(shape: ModelShape, t: MambaTiming) -> dict:
     """Forward/backward seconds of one Mamba layer per micro-batch, in step_time's part keys.
 
     GEMMs: in_proj (column-parallel, its TP comm like an MLP's fc1) and out_proj (row-parallel) at
@@ -171,15 +139,16 @@ def mamba_layer_parts(shape: ModelShape, *, T: Any, T_sp: Any, tp: Any, linear_s
     scan and the gated RMSNorm. CP: MambaContextParallel's all-to-alls before (in_proj width) and
     after (d_inner) the scan, forward and backward, not overlapped.
     """
+    T, tp = t.T, t.tp
     h, d_in, width = float(shape.hidden_size), float(shape.mamba_d_inner), float(in_proj_width(shape))
-    inp = linear_s(T, width / tp, h)
-    out = linear_s(T, h, d_in / tp)
-    scan_f = np.maximum(T * ssd_scan_bytes_per_token(shape, tp) / bw_ew,
-                        7.0 * T * d_in * shape.mamba_state_dim / tp / rate) + 4 * kernel_s
+    inp = t.linear_s(T, width / tp, h)
+    out = t.linear_s(T, h, d_in / tp)
+    scan_f = np.maximum(T * ssd_scan_bytes_per_token(shape, tp) / t.bw_ew,
+                        7.0 * T * d_in * shape.mamba_state_dim / tp / t.rate) + 4 * t.kernel_s
     copies = T * (2 * 2.0 * width + 2 * 2.0 * d_in + 2 * 2.0 * d_in) / tp  # two transposing copies + gated norm
-    ew_f = (T_sp * norm_resid_bytes + copies) / bw_ew + 6 * kernel_s
-    tp_f, tp_b = tp_comm(inp[1], inp[2], out[1], out[0], inp[0])
-    a2a = cp_a2a(T * (width + d_in) * 2.0 / tp)
+    ew_f = (t.T_sp * t.norm_resid_bytes + copies) / t.bw_ew + 6 * t.kernel_s
+    tp_f, tp_b = t.tp_comm(inp[1], inp[2], out[1], out[0], inp[0])
+    a2a = t.cp_a2a(T * (width + d_in) * 2.0 / tp)
     return {
         "gemm_f": inp[0] + out[0], "gemm_b": inp[1] + inp[2] + out[1] + out[2],
         "attn_f": 0.0, "attn_b": 0.0, "ssm_f": scan_f, "ssm_b": SCAN_BACKWARD_FACTOR * scan_f,

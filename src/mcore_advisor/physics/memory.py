@@ -68,13 +68,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import gpu
-from mcore_advisor.knowledge.models import (
-    attention_params_per_rank,
-    linear_weights,
-    mlp_params,
-    norm_params,
-    resolve_model,
-)
+from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.anatomy import RankParams, linear_weights, rank_params  # noqa: F401 (RankParams: re-exported)
 from mcore_advisor.physics.layouts import (
     NUM_SLOTS,
     RECOMPUTE_FULL,
@@ -87,7 +82,6 @@ from mcore_advisor.physics.layouts import (
 )
 from mcore_advisor.physics.mamba import (
     hybrid_layer_bytes,
-    hybrid_rank_params,
     mamba_activation_bytes,
     mamba_backward_working_bytes,
 )
@@ -257,7 +251,7 @@ def layer_activation_terms(shape: ModelShape, seq_length: int, micro_batch_size:
     - MLP: activation input (2f-wide for SwiGLU) + fc2 input (f wide, FP8 1 byte) (+ silu output
       when the SwiGLU is not fused).
     - MoE: router logits/probs (E per token), dispatched tokens (k per token) as fc1 input,
-      expert activations, and the expert outputs the unpermute keeps for the prob gradient.
+      expert activations (the probs are applied in the activation, so the unpermute keeps no outputs).
     """
     t, cp = o.tp, o.cp
     s_local = seq_length / cp
@@ -439,8 +433,10 @@ def _mlp_terms(shape: ModelShape, o: ActivationOptions, c: _LayerTokens, moe_lay
     fc2_in = 0.0 if "moe_act" in rec else gemm_in * f_e * n_e / etp
     silu = 0.0 if o.fused_activation or not shape.swiglu else 2.0 * f_e * n_e / etp
     terms["moe_expert_activations"] = act_in + fc2_in + silu
-    # moe_unpermute keeps the expert outputs to form the gradient of the routing probs.
-    terms["moe_combine"] = 2.0 * h * tok_moe * k * o.moe_token_imbalance
+    # The routing probs are applied inside the experts' activation (experts.py bias_act_func /
+    # weighted_bias_swiglu_impl: it saves its input, counted above, and the probs), so the combine's
+    # unpermute runs without probs (token_dispatcher.py) and keeps only its index map: no expert outputs.
+    terms["moe_combine"] = 0.0
     f_sh = shape.moe_shared_expert_intermediate_size
     if f_sh and "shared_experts" not in rec:
         terms["mlp_activations"] = _mlp_bytes(f_sh, f_mult, tok, t, gemm_in, o.fused_activation)
@@ -499,68 +495,8 @@ def layer_backward_working_bytes(shape: ModelShape, seq_length: int, micro_batch
 
 
 # ---------------------------------------------------------------------------------------------
-# Parameters per pipeline rank
+# Parameters per pipeline rank (the count itself: physics.anatomy.rank_params)
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RankParams:
-    dense: float  # non-expert params held by this rank (after TP)
-    expert: float  # routed-expert params held by this rank (after EP x ETP)
-    fp8_eligible: float  # linear weights inside transformer layers (TE casts these to FP8)
-
-
-def rank_params(shape: ModelShape, layers: list[int], *, first: bool, last: bool, tp: int, ep: int, etp: int,
-                seq_length: int) -> RankParams:
-    """Parameters on one pipeline rank holding decoder `layers` (global indices).
-
-    TP shards attention (MLA's down-projections excepted: `attention_params_per_rank`), dense MLP,
-    shared experts, the embedding and the output layer (vocab padded to
-    make_vocab_size_divisible_by * TP); norms and the router are replicated; routed experts are
-    split over EP and each expert over ETP. With PP > 1 the last stage allocates its own output
-    layer even with tied embeddings (Megatron `setup_embeddings_and_output_layer`), which the
-    optimizer also updates, and with MTP also an embedding (GPTModel builds one where mtp_process).
-    Hybrid stages hold their layers' kinds (physics.mamba.hybrid_rank_params).
-    """
-    h = shape.hidden_size
-    V = shape.padded_vocab_size(tp)
-    attn = attention_params_per_rank(shape, tp)
-    dense_mlp = mlp_params(shape, shape.ffn_hidden_size)
-    norms = 2 * norm_params(shape, shape.hidden_size)
-    E = shape.num_experts or 0
-    expert = mlp_params(shape, shape.moe_ffn_hidden_size) if E else 0
-    shared = mlp_params(shape, shape.moe_shared_expert_intermediate_size) if E and shape.moe_shared_expert_intermediate_size else 0
-    router = h * E if E else 0
-    n_moe = sum(shape.moe_layer_pattern[i] for i in layers) if E else 0
-    n_dense = len(layers) - n_moe
-    if shape.is_hybrid:
-        dense, experts, fp8_eligible = hybrid_rank_params(shape, layers, tp, ep, etp)
-    else:
-        dense = attn * len(layers) + (dense_mlp * n_dense + shared * n_moe) / tp + norms * len(layers) + router * n_moe
-        fp8_eligible = attn * len(layers) + (dense_mlp * n_dense + shared * n_moe) / tp
-        experts = E * expert * n_moe / (ep * etp)
-        fp8_eligible += experts
-    if first:
-        dense += V * h / tp
-        if shape.position_embedding_type == "learned_absolute":
-            dense += seq_length * h
-    if last:
-        dense += norm_params(shape, shape.hidden_size)
-        single_stage = first
-        if shape.untie_embeddings_and_output_weights or not single_stage:
-            dense += V * h / tp
-        if shape.mtp_num_layers:
-            last_moe = bool(E) and shape.moe_layer_pattern[-1] == 1
-            mtp_layer = attn + norms + ((shared / tp + router) if last_moe else dense_mlp / tp)
-            mtp_extra = 2 * h * h / tp + 3 * norm_params(shape, shape.hidden_size)
-            dense += shape.mtp_num_layers * (mtp_layer + mtp_extra)
-            if not first:
-                # GPTModel builds an embedding wherever MTP runs (pre_process or mtp_process) and
-                # copies the first stage's weights into it: one more V*h/TP beside the output layer.
-                dense += V * h / tp
-            if last_moe:
-                experts += shape.mtp_num_layers * E * expert / (ep * etp)
-    return RankParams(dense=dense, expert=experts, fp8_eligible=fp8_eligible)
 
 
 def _stage_layers(num_layers: int, pp: int, vp: int, rank: int,
@@ -600,6 +536,7 @@ def _stage_layers(num_layers: int, pp: int, vp: int, rank: int,
 # ---------------------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=4096)  # the search asks for it per layout; a handful of distinct (shape, TP, ETP) values
 def te_dummy_wgrad_bytes(shape: ModelShape, tp: int, etp: int, *, has_dense: bool, has_moe: bool,
                          output_vocab: int | None = None) -> float:
     """With gradient-accumulation fusion TE returns a cached bf16 dummy weight gradient per distinct

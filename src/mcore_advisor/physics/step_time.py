@@ -34,14 +34,18 @@ Model (per GPU of the slowest pipeline stage, per micro-batch, then the 1F1B sch
   entropy and the optimizer are streaming passes (bytes per logit / per parameter).
 - Collectives: ring cost (bytes x (n-1)/n, x2 for all-reduce) at the achieved bus bandwidth:
   NVLink x NVLINK_EFFICIENCY, or NICs x NETWORK_EFFICIENCY (a group with r ranks per node gets r
-  NICs), times the size ramp S/(S + COLLECTIVE_HALF_BANDWIDTH_BYTES), plus latency. TP/SP: exposed
+  NICs), times the size ramp S/(S + S_half), S_half = the link's rate x COLLECTIVE_HALF_BANDWIDTH_S
+  (16 MiB on NVLink), plus latency. TP/SP: exposed
   in forward; the backward ones Megatron/TE launch asynchronously hide behind the paired
-  dgrad/wgrad GEMM; tp_comm_overlap hides them behind their GEMMs. CP: ring K/V exchange hidden
+  dgrad/wgrad GEMM; tp_comm_overlap runs them as TE's userbuffers do (UB_PIPELINE_SPLITS: ring exchange,
+  pipelined and bulk overlap, FP8 all-gather buffers in FP8 runs). CP: ring K/V exchange hidden
   behind each chunk's attention. EP: four all-to-alls per MoE layer (DeepEP sends a token once per
   remote node). DP: reduce-scatter (or all-reduce) of grads and all-gather of params over dp*cp,
   of each pipeline rank's own parameters (physics.memory.rank_params: the count the memory model
   uses, embedding / output layer / MTP where they live; the slowest rank sets the step); overlap
-  hides all but the last bucket behind one micro-batch's backward/forward of its layers. Hidden
+  hides all but the last bucket behind one micro-batch's backward/forward of its layers, and with VP
+  each earlier model chunk's traffic behind the pp micro-batches of the later chunks (Megatron syncs a
+  chunk at its last / first micro-batch). Hidden
   communication still costs OVERLAP_SM_TAX of its time (NCCL kernels occupy SMs). PP: p2p sends.
 - Pipeline: m * t_stage_max + (sum of stage times - t_stage_max) / vp, i.e. the bubble
   (pp-1)/(vp*m) for equal stages (Narayanan et al. 2021, Sec. 2.2.2).
@@ -75,20 +79,22 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import GpuSpec, gpu
-from mcore_advisor.knowledge.models import linear_weights, resolve_model
+from mcore_advisor.knowledge.models import resolve_model
+from mcore_advisor.physics.anatomy import linear_weights
 from mcore_advisor.physics.flops import (
     flops_per_iteration,
     hardware_flops_per_iteration,
     recomputed_layer_fraction,
 )
 from mcore_advisor.physics.layouts import RECOMPUTE_FULL, Implementation, LayoutBatch, StageTable
-from mcore_advisor.physics.mamba import hybrid_kinds, mamba_layer_parts
+from mcore_advisor.physics.mamba import MambaTiming, hybrid_kinds, mamba_layer_parts
 from mcore_advisor.physics.memory import (
     WEIGHT_BYTES_PER_PARAM,
     fused_softmax_kernel,
     gradient_bytes_per_param,
     stage_table,
 )
+from mcore_advisor.physics.moe import MoeKit, dominant_part, moe_layer
 from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, parallel_dims
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +216,11 @@ of full size S (so 1 MiB collectives are latency-bound, 1 GiB ones near 0.68). F
 NV18 links, NCCL of torch 2.11, NVLS off (benchmarks/nccl_probe.py): all-reduce bus bandwidth
 269/302/328 GB/s at 64/256/1024 MiB, all-gather 214/242/270, reduce-scatter 193/232/266, and
 36-45 us at 1 MiB. (NVIDIA quotes ~360 GB/s ring all-reduce on 8x H100; not measurable here.)
-The same size ramp is applied to network collectives."""
+On other links the ramp is the same start-up time, COLLECTIVE_HALF_BANDWIDTH_S = 16 MiB at the NVLink rate
+(55 us): the protocol pipelines its chunks behind a fixed start, so the half-bandwidth size scales with
+the link's rate (about 2.3 MiB on one 400 Gb/s NIC, where NCCL's IB collectives reach half their bus
+bandwidth at a few MiB)."""
+COLLECTIVE_HALF_BANDWIDTH_S = COLLECTIVE_HALF_BANDWIDTH_BYTES / (450e9 * NVLINK_EFFICIENCY)
 
 NETWORK_EFFICIENCY = 0.85
 """Achieved fraction of a 400 Gb/s NIC's 50 GB/s per direction in NCCL collectives (~42-45 GB/s
@@ -221,6 +231,17 @@ OVERLAP_SM_TAX = 0.15
 channel while they run (16-32 channels on NVLink, fewer on InfiniBand, of 132 SMs on H100 =
 12-24%) and share HBM bandwidth, so an overlapped collective is not free. Midpoint of that range;
 an estimate from NCCL's channel counts, not fitted."""
+
+UB_PIPELINE_SPLITS = 4
+UB_COMM_SMS = 16
+"""tp_comm_overlap as Megatron's --tp-comm-overlap sets it up without a --tp-comm-overlap-cfg file: Transformer
+Engine's initialize_ub defaults (transformer_engine/pytorch/module/base.py): 'ring_exchange' (peer-to-peer
+sends on copy engines, one 1/tp chunk per step while the GEMM of the chunk in hand runs) for qkv_fprop,
+fc1_fprop, proj_dgrad and fc2_dgrad; 'pipeline' (num_splits 4, num_sm 16) for the reduce-scatters after
+proj_fprop and fc2_fprop; 'bulk' (num_sm 16) for the input re-gather beside qkv/fc1 dgrad and the dgrad
+reduce-scatter beside qkv/fc1 wgrad. UB_FP8_ALL_GATHER: with an FP8 recipe the all-gather buffers (qkv_fprop,
+qkv_dgrad, proj_dgrad, fc1_fprop, fc1_dgrad, fc2_dgrad) hold FP8 (1 B per element), the reduce-scatters bf16
+(fp8_buf in the same function)."""
 
 COLLECTIVE_LATENCY_S = 10e-6
 NVLINK_HOP_LATENCY_S = 1e-6
@@ -374,6 +395,8 @@ class PerfEstimate(BaseModel):
     hfu_bf16_causal_pct: float = Field(description="Hardware FLOPs (with recompute, causal) / dense BF16 peak, %.")
     hfu_bf16_full_pct: float = Field(description="Hardware FLOPs (with recompute, full) / dense BF16 peak, %.")
     host_bound: bool = Field(False, description=f"True when the GPU is predicted to wait for the host (breakdown.host_bound_s) for at least {HOST_BOUND_FLAG:.0%} of the step: the step then follows the host's speed (more variable from one step to the next) more than the GPU's.")
+    moe_layer_parts_s: dict[str, float] | None = Field(None, description="MoE models: seconds of each part of one MoE layer and micro-batch on the slowest GPU (physics.moe: router, permute, experts, shared_experts, dispatch = EP/ETP communication, host_wait = the GPU's wait for the host to launch the layer's kernels beyond the layer's GPU work), forward + backward.")
+    moe_dominant_part: str | None = Field(None, description="MoE models: the largest of moe_layer_parts_s.")
     assumptions: list[str] = Field(description="How plan choices were timed (kernel paths, overlap).")
 
 
@@ -439,16 +462,18 @@ def _linear_s(m, n, k, rate_flops, bw_bytes, sms, groups=1.0):
     )
 
 
-def _ramp(bytes_total):
-    """Bus-bandwidth fraction reached by a collective of this full size (NCCL protocol ramp)."""
-    return bytes_total / (bytes_total + COLLECTIVE_HALF_BANDWIDTH_BYTES)
+def _ramp(bytes_total, bw_bytes=None):
+    """Bus-bandwidth fraction reached by a collective of this full size (NCCL protocol ramp) on a link of
+    bw_bytes B/s (None: NVLink's, COLLECTIVE_HALF_BANDWIDTH_BYTES)."""
+    half = COLLECTIVE_HALF_BANDWIDTH_BYTES if bw_bytes is None else COLLECTIVE_HALF_BANDWIDTH_S * bw_bytes
+    return bytes_total / (bytes_total + half)
 
 
 def _ring_s(bytes_total, n, bw_bytes, hop_latency, steps_per_rank=1.0):
     """Ring all-gather/reduce-scatter (steps_per_rank=1) or all-reduce (2) of a bytes_total tensor over n ranks."""
     n = np.maximum(n, 1.0)
     active = (n > 1) & (bytes_total > 0)
-    eff_bw = bw_bytes * _ramp(np.maximum(bytes_total, 1.0))
+    eff_bw = bw_bytes * _ramp(np.maximum(bytes_total, 1.0), bw_bytes)
     t = steps_per_rank * (n - 1) / n * bytes_total / eff_bw + COLLECTIVE_LATENCY_S + steps_per_rank * (n - 1) * hop_latency
     return np.where(active, t, 0.0)
 
@@ -499,6 +524,8 @@ class _Impl:
     moe_grouped_gemm: bool = True
     ce_fusion: bool = True
     recompute_modules: tuple[str, ...] = ("core_attn",)
+    cuda_graph_impl: str = "none"
+    cuda_graph_modules: tuple[str, ...] = ()
 
 
 def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
@@ -524,6 +551,8 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         moe_grouped_gemm=im.moe_grouped_gemm and im.transformer_impl == "transformer_engine",
         ce_fusion=im.cross_entropy_loss_fusion,
         recompute_modules=im.recompute_modules if im.recompute_modules is not None else ("core_attn",),
+        cuda_graph_impl=im.cuda_graph_impl,
+        cuda_graph_modules=im.cuda_graph_modules,
     )
 
 
@@ -652,10 +681,10 @@ def _host_rates(hw: HardwareParams) -> dict:
     return {"host_f": floor * HOST_FORWARD_SHARE / k_f, "host_b": floor * (1.0 - HOST_FORWARD_SHARE) / k_b}
 
 
-def _hide(comm, behind):
+def _hide(comm, behind, tax=OVERLAP_SM_TAX):
     """Exposed part of a collective overlapped with `behind` compute, plus the slowdown its
-    kernels cause to that compute while they share the SMs."""
-    return np.maximum(0.0, comm - behind) + OVERLAP_SM_TAX * np.minimum(comm, behind)
+    kernels cause to that compute while they share the SMs (`tax` of the overlapped time)."""
+    return np.maximum(0.0, comm - behind) + tax * np.minimum(comm, behind)
 
 
 # ---- GEMMs of one layer (forward, dgrad, wgrad) ----------------------------------------------
@@ -840,6 +869,8 @@ class _TpComm:
         S_act = c.T * float(c.shape.hidden_size) * 2.0  # bytes of one full activation [s/cp, b, h] in bf16
         self.ag = _ring_s(S_act, c.tp, tp_bw, tp_lat)  # all-gather or reduce-scatter
         self.ar = _ring_s(S_act, c.tp, tp_bw, tp_lat, 2.0)
+        # Userbuffers' all-gather buffers hold the FP8 GEMM inputs in FP8 runs (UB_FP8_ALL_GATHER).
+        self.ag_ub = _ring_s(S_act * (0.5 if c.fp8 else 1.0), c.tp, tp_bw, tp_lat)
 
     def __call__(self, col_dgrad, col_wgrad, row_dgrad, row_fwd, col_fwd, in_width=None):
         """`in_width` is the width of what the column side gathers (h, or MLA's latents)."""
@@ -856,11 +887,25 @@ class _TpComm:
         # (hidden behind the column dgrad), reduce-scatter of the input grad (behind col wgrad).
         sp_f = ag_in + ag
         sp_b = ag + _hide(ag_in, col_dgrad) + _hide(ag_in, col_wgrad)
-        # TE userbuffers: every one of them split and pipelined with its GEMM.
-        ov_f = _hide(ag_in, col_fwd) + _hide(ag, row_fwd) + (ag_in + ag) / np.maximum(c.tp, 1.0)
-        ov_b = _hide(ag, row_dgrad) + _hide(ag_in, col_dgrad) + _hide(ag_in, col_wgrad) + (ag + 2.0 * ag_in) / np.maximum(c.tp, 1.0)
+        ov_f, ov_b = self.userbuffers(col_fwd, row_fwd, row_dgrad, col_dgrad, col_wgrad, (in_width or h) / h)
         fwd = np.where(c.sp > 0, np.where(c.tp_overlap > 0, ov_f, sp_f), nosp_f)
         bwd = np.where(c.sp > 0, np.where(c.tp_overlap > 0, ov_b, sp_b), nosp_b)
+        return fwd, bwd
+
+    def userbuffers(self, col_fwd, row_fwd, row_dgrad, col_dgrad, col_wgrad, in_share):
+        """tp_comm_overlap: each collective split and run beside its GEMM as TE's initialize_ub sets them up
+        (UB_PIPELINE_SPLITS): ring exchange for the gathers before the column GEMM (forward) and the row dgrad,
+        nothing exposed while each peer send is shorter than the GEMM of the chunk in hand (copy engines: no
+        SMs taken); the reduce-scatter after the row GEMM pipelined in UB_PIPELINE_SPLITS, its last split
+        exposed; bulk overlap of the input re-gather with the column dgrad and of the dgrad reduce-scatter with
+        the column wgrad. Pipelined and bulk kernels hold UB_COMM_SMS SMs while they run."""
+        c, ag, ag_ub = self.c, self.ag, self.ag_ub
+        sm = UB_COMM_SMS / float(c.hw.num_sms)
+        tail = 1.0 / UB_PIPELINE_SPLITS
+        rs_f = tail * ag + _hide((1.0 - tail) * ag, (1.0 - tail) * row_fwd, sm)
+        fwd = _hide(in_share * ag_ub, col_fwd, 0.0) + rs_f
+        bwd = (_hide(ag_ub, row_dgrad, 0.0) + _hide(in_share * ag_ub, col_dgrad, sm)
+               + _hide(in_share * ag, col_wgrad, sm))
         return fwd, bwd
 
 
@@ -868,7 +913,7 @@ def _cp_ring(c: _Ctx, a: _AttentionGemms, attn_f, attn_b) -> tuple:
     """CP ring exchange of K/V, overlapped with each chunk's attention: (forward, backward)."""
     cp_bw, cp_lat = c.link(c.tp, c.cp)
     kv_bytes = c.b * (c.s / c.cp) * (a.kv_heads / c.tp) * (a.qk_dim + a.v_dim) * 2.0  # K and V of the local chunk
-    step_f = kv_bytes / (cp_bw * _ramp(kv_bytes)) + cp_lat + COLLECTIVE_LATENCY_S
+    step_f = kv_bytes / (cp_bw * _ramp(kv_bytes, cp_bw)) + cp_lat + COLLECTIVE_LATENCY_S
     steps = np.maximum(c.cp - 1.0, 0.0)
     cp_f = steps * _hide(step_f, attn_f / np.maximum(c.cp, 1.0))
     cp_b = steps * _hide(2.0 * step_f, attn_b / np.maximum(c.cp, 1.0))  # K/V and dK/dV
@@ -927,94 +972,16 @@ def _dense_layer(c: _Ctx) -> _Layers:
     return _Layers(a, fc1, fc2, ew, tp_comm, tpa, tpm, dense)
 
 
-def _expert_gemms(c: _Ctx) -> tuple:
-    """(forward, backward) of the routed experts and the router; tokens through the local experts."""
-    shape = c.shape
-    h, E, k, fe = float(shape.hidden_size), float(shape.num_experts), float(shape.moe_router_topk), float(shape.moe_ffn_hidden_size)
-    # Tokens each GPU runs through its local experts (balanced routing): T*k*etp/tp, over E/ep experts.
-    local_experts = E / c.ep
-    T_exp = c.T * k * c.etp / c.tp
-    M_e = T_exp / local_experts
-    groups = local_experts if c.impl.moe_grouped_gemm else 1.0
-    fc1 = c.linear(M_e, fe * (2.0 if shape.swiglu else 1.0) / c.etp, h, groups)
-    fc2 = c.linear(M_e, h, fe / c.etp, groups)
-    if not c.impl.moe_grouped_gemm:  # one GEMM per local expert, launched in sequence
-        fc1 = tuple(x * local_experts for x in fc1)
-        fc2 = tuple(x * local_experts for x in fc2)
-    router = c.linear(c.T_sp, E, h)
-    return fc1[0] + fc2[0] + router[0], fc1[1] + fc1[2] + fc2[1] + fc2[2] + router[1] + router[2], T_exp
-
-
-def _all_to_all(c: _Ctx) -> Any:
-    """One MoE dispatch (or combine) all-to-all over EP (allgather dispatcher: every token to every rank)."""
-    shape, ep, gpn = c.shape, c.ep, float(c.hw.gpus_per_node)
-    h, k = float(shape.hidden_size), float(shape.moe_router_topk)
-    disp = c.T_sp * k * h * 2.0
-    if c.impl.moe_dispatcher == "allgather":
-        disp = c.T_sp * h * 2.0 * ep
-    ep_span = c.etp * ep
-    inside = ep_span <= gpn
-    peers_in_node = np.minimum(ep, np.maximum(1.0, np.floor(gpn / c.etp)))
-    frac_in = (peers_in_node - 1.0) / np.maximum(ep, 1.0)
-    frac_out = np.where(inside, 0.0, (ep - peers_in_node) / ep)
-    net_bytes = disp * frac_out
-    if c.impl.moe_dispatcher == "flex":
-        # DeepEP sends each token once per remote node it needs (then forwards over NVLink):
-        # with k experts picked among E spread over N nodes, a given remote node is touched with
-        # probability 1 - (1 - 1/N)^k (DeepEP internode dispatch; Megatron flex dispatcher).
-        nodes = np.maximum(1.0, np.ceil(ep_span / gpn))
-        touched = (nodes - 1.0) * (1.0 - (1.0 - 1.0 / nodes) ** k)
-        net_bytes = np.where(inside, 0.0, c.T_sp * h * 2.0 * touched)
-    a2a = np.maximum(disp * (frac_in + frac_out) / c.nv, net_bytes / c.net) / _ramp(disp) + COLLECTIVE_LATENCY_S + np.where(inside, NVLINK_HOP_LATENCY_S, NETWORK_HOP_LATENCY_S) * np.log2(np.maximum(ep, 2.0))
-    return np.where(ep > 1, a2a, 0.0)
+def _moe_kit() -> MoeKit:
+    """This module's primitives for physics.moe (which cannot import them: this module imports it)."""
+    return MoeKit(ring_s=_ring_s, ramp=_ramp, wgrad_s=_wgrad_accumulation_s, local_weights=_local_weights,
+                  kernel_s=KERNEL_LAUNCH_S, latency_s=COLLECTIVE_LATENCY_S, nvlink_hop_s=NVLINK_HOP_LATENCY_S,
+                  network_hop_s=NETWORK_HOP_LATENCY_S)
 
 
 def _moe_layer(c: _Ctx, L: _Layers) -> dict:
-    """One MoE layer: the attention half of a dense layer + router, dispatch, experts, combine."""
-    shape, T, T_sp, tp, etp, impl = c.shape, c.T, c.T_sp, c.tp, c.etp, c.impl
-    h, E, k = float(shape.hidden_size), float(shape.num_experts), float(shape.moe_router_topk)
-    fe, fsh = float(shape.moe_ffn_hidden_size), float(shape.moe_shared_expert_intermediate_size)
-    exp_f, exp_b, T_exp = _expert_gemms(c)
-    if fsh > 0:
-        sh1 = c.linear(T, fsh * (2.0 if shape.swiglu else 1.0) / tp, h)
-        sh2 = c.linear(T, h, fsh / tp)
-        shared_f, shared_b = sh1[0] + sh2[0], sh1[1] + sh1[2] + sh2[1] + sh2[2]
-    else:
-        shared_f = shared_b = 0.0
-    # Elementwise: attention-half of the dense layer's bytes, expert activation, permute/unpermute
-    # (read + write T*k*h bf16 each way), router softmax/top-k.
-    act_exp = T_exp * (3.0 if shape.swiglu else 2.0) * fe / etp * 2
-    permute = 2 * 2 * T_sp * k * h * 2.0
-    act_sh = T * (3.0 if shape.swiglu else 2.0) * fsh / tp * 2
-    ew_attn_half = L.ew.ew_dense_f - T * L.ew.act_b_dense
-    ew_f = (ew_attn_half + act_exp + permute + act_sh + T_sp * E * 4 * 4) / c.bw_ew + 20 * KERNEL_LAUNCH_S
-    lw = linear_weights(shape)
-    local_experts = E / c.ep
-    w_exp = local_experts * _local_weights(lw["expert"], etp) + h * E  # routed experts + router
-    acc_b = (L.dense["acc_attn_b"] + _wgrad_accumulation_s(w_exp, len(lw["expert"]) * local_experts + 1.0, impl, c.bw, c.bw_ew)
-             + _wgrad_accumulation_s(_local_weights(lw["shared_expert"], tp), len(lw["shared_expert"]), impl, c.bw, c.bw_ew))
-    ew_b = 2.0 * (ew_f - 20 * KERNEL_LAUNCH_S) + 40 * KERNEL_LAUNCH_S + acc_b
-    a2a = _all_to_all(c)
-    etp_bw, etp_lat = c.link(1.0, etp)
-    etp_c = _ring_s(T_exp * h * 2.0, etp, etp_bw, etp_lat)  # AG of dispatched tokens / RS of outputs
-    # SP: the MoE layer takes T/tp tokens, so no MLP all-gather/reduce-scatter; without SP the
-    # attention half keeps its all-reduce.
-    # Host kernels: the attention half of a dense layer; router GEMM and ~20 routing/permute kernels
-    # forward (40 backward, as in ew_f/ew_b); the shared expert; and the experts. TE's GroupedLinear
-    # issues a cuBLAS GEMM per local expert from one Python call (C++ launches, charged like backward
-    # kernels); SequentialMLP runs each expert's MLP module in a Python loop (fc1, activation, fc2).
-    per_expert_f, per_expert_b = (0.0, 6.0) if impl.moe_grouped_gemm else (3.0, 5.0)
-    return {
-        "kernels_f": 0.5 * L.dense["kernels_f"] + per_expert_f * local_experts + (2.0 if fsh > 0 else 0.0) + 21.0,
-        "kernels_b": 0.5 * L.dense["kernels_b"] + per_expert_b * local_experts + (4.0 if fsh > 0 else 0.0) + 42.0,
-        "gemm_f": L.attn.gemm_f + exp_f + shared_f, "gemm_b": L.attn.gemm_b + exp_b + shared_b,
-        "attn_f": L.dense["attn_f"], "attn_b": L.dense["attn_b"], "ew_f": ew_f, "ew_b": ew_b,
-        "tp_f": L.tpa[0], "tp_b": L.tpa[1], "cp_f": L.dense["cp_f"], "cp_b": L.dense["cp_b"],
-        "ep_f": 2 * a2a + 2 * etp_c, "ep_b": 2 * a2a + 2 * etp_c,
-        "moe_f": exp_f + shared_f + (act_exp + permute + act_sh) / c.bw_ew + 2 * a2a,
-        "moe_act_f": act_exp / c.bw_ew,
-        "shared_f": shared_f + act_sh / c.bw_ew,
-    }
+    """One MoE layer from its parts (physics.moe.moe_layer)."""
+    return moe_layer(c, L, _moe_kit())
 
 
 def _hybrid_kinds(c: _Ctx, L: _Layers, moe: dict | None) -> list:
@@ -1041,10 +1008,10 @@ def _hybrid_kinds(c: _Ctx, L: _Layers, moe: dict | None) -> list:
     mamba_part = None
     if shape.num_mamba_layers:
         cp_bw, cp_lat = c.link(c.tp, c.cp)
-        mamba_part = mamba_layer_parts(
-            shape, T=T, T_sp=T_sp, tp=c.tp, linear_s=lambda m_, n_, k_: c.linear(m_, n_, k_),
+        mamba_part = mamba_layer_parts(shape, MambaTiming(
+            T=T, T_sp=T_sp, tp=c.tp, linear_s=lambda m_, n_, k_: c.linear(m_, n_, k_),
             tp_comm=L.tp_comm, cp_a2a=lambda x: np.where(c.cp > 1, _ring_s(x, c.cp, cp_bw, cp_lat), 0.0),
-            bw_ew=c.bw_ew, rate=c.rate, kernel_s=KERNEL_LAUNCH_S, norm_resid_bytes=ew.norm_b + ew.resid_b)
+            bw_ew=c.bw_ew, rate=c.rate, kernel_s=KERNEL_LAUNCH_S, norm_resid_bytes=ew.norm_b + ew.resid_b))
         mamba_part = {"kernels_f": d["kernels_f"], "kernels_b": d["kernels_b"], **mamba_part}
     return hybrid_kinds(shape, attn_half, mlp_half, moe_only, mamba_part)
 
@@ -1156,7 +1123,7 @@ class _Ends:
     emb_tp: Any
     t_emb: Any
     t_mtp: Any
-    mtp_gemm: Any
+    mtp: dict  # breakdown term -> seconds of the MTP layers per micro-batch ('gemm', 'attn', 'ew', 'tp', 'cp', 'ep', 'rc')
 
 
 def _embedding_and_output(c: _Ctx, L: _Layers, moe: dict | None) -> _Ends:
@@ -1175,15 +1142,20 @@ def _embedding_and_output(c: _Ctx, L: _Layers, moe: dict | None) -> _Ends:
     emb_tp = np.where(c.sp > 0, ag, ar)
     # MTP (MultiTokenPredictionBlock, last stage): per depth one layer of the last decoder layer's
     # type, its eh_proj (2h -> h, column-parallel) and its own output layer and loss.
-    t_mtp = mtp_gemm = 0.0
+    t_mtp, mtp = 0.0, {}
     if shape.mtp_num_layers:
         last_moe = shape.is_moe and shape.moe_layer_pattern[-1] == 1
         p_mtp = moe if last_moe else L.dense
         eh = c.linear(T, h / tp, 2.0 * h)
         f_, b_, r_ = _layer_time(c, L, p_mtp, last_moe)
-        mtp_gemm = shape.mtp_num_layers * (p_mtp["gemm_f"] + p_mtp["gemm_b"] + sum(eh) + out_gemm)
-        t_mtp = shape.mtp_num_layers * (f_ + b_ + r_ + sum(eh) + t_out)
-    return _Ends(out_gemm, out_ew, out_tp, t_out, emb_ew, emb_tp, emb_ew + emb_tp, t_mtp, mtp_gemm)
+        n = float(shape.mtp_num_layers)
+        # the MTP layers' time by breakdown term (they sum to t_mtp), booked where the last stage is slowest
+        mtp = {"gemm": n * (p_mtp["gemm_f"] + p_mtp["gemm_b"] + sum(eh) + out_gemm),
+               "attn": n * (p_mtp["attn_f"] + p_mtp["attn_b"]), "ew": n * (p_mtp["ew_f"] + p_mtp["ew_b"] + out_ew),
+               "tp": n * (p_mtp["tp_f"] + p_mtp["tp_b"] + out_tp), "cp": n * (p_mtp["cp_f"] + p_mtp["cp_b"]),
+               "ep": n * (p_mtp["ep_f"] + p_mtp["ep_b"]), "rc": n * r_}
+        t_mtp = n * (f_ + b_ + r_ + sum(eh) + t_out)
+    return _Ends(out_gemm, out_ew, out_tp, t_out, emb_ew, emb_tp, emb_ew + emb_tp, t_mtp, mtp)
 
 
 # ---- pipeline schedule -------------------------------------------------------------------------
@@ -1217,7 +1189,7 @@ def _pipeline(c: _Ctx, t_layer, e: _Ends) -> _Pipeline:
     t_sum = float(c.shape.num_layers) * t_layer + e.t_out + e.t_emb + e.t_mtp
     pp_bw, pp_lat = c.link(c.tp * c.cp * c.dp, 2.0)
     p2p_bytes = c.T * float(c.shape.hidden_size) * 2.0 / np.where(c.sp > 0, c.tp, 1.0)
-    t_p2p = np.where(one_stage, 0.0, 2.0 * (p2p_bytes / (pp_bw * _ramp(p2p_bytes)) + pp_lat + COLLECTIVE_LATENCY_S))
+    t_p2p = np.where(one_stage, 0.0, 2.0 * (p2p_bytes / (pp_bw * _ramp(p2p_bytes, pp_bw)) + pp_lat + COLLECTIVE_LATENCY_S))
     bubble = np.where(one_stage, 0.0, (t_sum - t_max) / vp)
     # 1F1B: blocking send/recv pairs on the critical path every micro-batch and through fill/drain.
     # Interleaved: Megatron overlaps them with compute (overlap_p2p_comm), vp times as many sends;
@@ -1251,12 +1223,20 @@ def _data_parallel(c: _Ctx, lay: _LayerAverage) -> tuple:
     t_param = np.where(c.dist_opt > 0, _ring_s(P_dense * p_bytes, dpc, d_bw, d_lat) + has_exp * _ring_s(P_exp * p_bytes, c.edp, e_bw, e_lat), 0.0)
     P_total = P_dense + P_exp
     bucket_frac = np.minimum(1.0, np.maximum(_BUCKET_MIN_PARAMS, _BUCKET_PARAMS_PER_DP * dpc) / np.maximum(P_total, 1.0))
-    # Overlap window: the backward (forward) of one micro-batch on this rank; the last grad
-    # bucket (first param bucket) can never hide.
-    # (wall-clock windows: a host-bound layer's launch gaps stretch them too)
+    # Overlap windows (wall-clock: a host-bound layer's launch gaps stretch them too). Megatron syncs each
+    # model chunk's grads once its last micro-batch's backward is done and gathers its params at its first
+    # forward (schedules.py: is_last/first_microbatch_for_model_chunk): the rank's last chunk reduces behind
+    # its own backward only, the earlier ones behind the pp micro-batches of each later chunk that follow
+    # (microbatch_group_size_per_vp_stage = pp); the params likewise in forward. Non-interleaved: one
+    # micro-batch's backward (forward) of the rank's layers. The last grad (first param) bucket never hides.
     stretch = lay.t_layer / np.maximum(lay.fwd + lay.bwd + lay.rc, 1e-30)
-    grad_exp = np.maximum(bucket_frac * t_grad, t_grad - st.layers * (lay.bwd + lay.rc) * stretch)
-    param_exp = np.maximum(bucket_frac * t_param, t_param - st.layers * lay.fwd * stretch)
+    chunk = st.layers / c.vp * stretch
+    chunks_window = 1.0 + (c.vp - 1.0) * c.pp
+
+    def exposed(t, per_layer):
+        return np.maximum(np.maximum(bucket_frac * t, t / c.vp - chunk * per_layer), t - chunks_window * chunk * per_layer)
+
+    grad_exp, param_exp = exposed(t_grad, lay.bwd + lay.rc), exposed(t_param, lay.fwd)
     grad_exposed = np.where(c.overlap_grad > 0, grad_exp + OVERLAP_SM_TAX * (t_grad - grad_exp), t_grad)
     param_exposed = np.where(c.overlap_param > 0, param_exp + OVERLAP_SM_TAX * (t_param - param_exp), t_param)
     syncs = (c.pp > 1) & (st.first | st.last) & (not shape.untie_embeddings_and_output_weights)
@@ -1314,26 +1294,29 @@ def _model(c: _Ctx) -> dict[str, np.ndarray]:
     host_waits = _host_waits(c, pipe)
     iter_s = m * pipe.t_max + pipe.bubble + pipe.p2p + dp_exposed + t_opt + ITERATION_OVERHEAD_S + host_waits
     # Attribute the slowest stage's per-micro-batch work to the breakdown terms: its layers, and the
-    # output layer, loss and MTP (last stage) or the embedding (first stage) where it holds them;
-    # what the terms leave of the MTP layers goes to elementwise.
+    # output layer, loss and MTP layers (last stage) or the embedding (first stage) where it holds them.
     k = m * pipe.layers
     out, emb = pipe.with_output, pipe.with_embedding
     stage_extra = np.where(out, e.t_out + e.t_mtp, 0.0) + np.where(emb, e.t_emb, 0.0)
-    residue = m * (pipe.t_max - (pipe.layers * lay.t_layer + stage_extra))
+    residue = m * (pipe.t_max - (pipe.layers * lay.t_layer + stage_extra))  # 0: the slowest stage is one of them
+
+    def mtp(term):
+        return m * np.where(out, e.mtp.get(term, 0.0), 0.0)
+
     tokens = c.gbs * c.s
     world = c.tp * c.pp * c.dp * c.cp
     return {
         "iteration_time_s": iter_s,
         "tokens_per_s_per_gpu": tokens / (iter_s * world),
         "num_microbatches": m,
-        "gemm_s": k * lay.comp["gemm"] + m * np.where(out, e.out_gemm + e.mtp_gemm, 0.0),
-        "attention_s": k * lay.comp["attn"],
+        "gemm_s": k * lay.comp["gemm"] + m * np.where(out, e.out_gemm, 0.0) + mtp("gemm"),
+        "attention_s": k * lay.comp["attn"] + mtp("attn"),
         "ssm_scan_s": k * lay.comp["ssm"],
-        "elementwise_s": k * lay.comp["ew"] + m * (np.where(out, e.out_ew, 0.0) + np.where(emb, e.emb_ew, 0.0)) + residue,
-        "recompute_s": k * lay.rc,
-        "tp_comm_exposed_s": k * lay.comp["tp"] + m * (np.where(out, e.out_tp, 0.0) + np.where(emb, e.emb_tp, 0.0)),
-        "cp_comm_exposed_s": k * lay.comp["cp"],
-        "ep_comm_s": k * lay.comp["ep"],
+        "elementwise_s": k * lay.comp["ew"] + m * (np.where(out, e.out_ew, 0.0) + np.where(emb, e.emb_ew, 0.0)) + residue + mtp("ew"),
+        "recompute_s": k * lay.rc + mtp("rc"),
+        "tp_comm_exposed_s": k * lay.comp["tp"] + m * (np.where(out, e.out_tp, 0.0) + np.where(emb, e.emb_tp, 0.0)) + mtp("tp"),
+        "cp_comm_exposed_s": k * lay.comp["cp"] + mtp("cp"),
+        "ep_comm_s": k * lay.comp["ep"] + mtp("ep"),
         "pp_p2p_s": pipe.p2p,
         "pipeline_bubble_s": pipe.bubble,
         "dp_comm_exposed_s": dp_exposed,
@@ -1396,8 +1379,26 @@ def step_time(plan: Plan, shape: ModelShape | None = None) -> PerfEstimate:
         hfu_bf16_causal_pct=100 * tf(hf_c) / peak,
         hfu_bf16_full_pct=100 * tf(hf_f) / peak,
         host_bound=breakdown.host_bound_s >= HOST_BOUND_FLAG * it,
-        assumptions=_assumptions(plan, hw),
+        moe_layer_parts_s=(moe_parts := _moe_summary(plan, shape, hw)),
+        moe_dominant_part=dominant_part(moe_parts)[0] if moe_parts else None,
+        assumptions=_assumptions(plan, hw) + _moe_assumptions(moe_parts),
     )
+
+
+def _moe_summary(plan: Plan, shape: ModelShape, hw: HardwareParams) -> dict[str, float] | None:
+    """The parts of one MoE layer and micro-batch (physics.moe.moe_part_times), one row."""
+    if not shape.is_moe:
+        return None
+    c = _context(LayoutBatch.from_plan(plan, shape), hw, plan.training.precision == "fp8")
+    return {k: _f(v) for k, v in _moe_layer(c, _dense_layer(c))["moe_parts"].items()}
+
+
+def _moe_assumptions(parts: dict[str, float] | None) -> list[str]:
+    if not parts:
+        return []
+    name, share = dominant_part(parts)
+    listed = ", ".join(f"{k} {1e3 * v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    return [f"MoE layer per micro-batch (ms, forward + backward): {listed}; {name} dominates ({100 * share:.0f}%)"]
 
 
 def _assumptions(plan: Plan, hw: HardwareParams) -> list[str]:
@@ -1424,7 +1425,8 @@ def _assumptions(plan: Plan, hw: HardwareParams) -> list[str]:
     if p.tp_comm_overlap and not (p.sequence_parallel and p.tensor_model_parallel_size > 1):
         out.append("tp_comm_overlap ignored: it needs sequence_parallel with TP > 1")
     if plan.model.num_experts or resolve_model(plan.model).is_moe:
-        out.append("MoE routing assumed perfectly balanced; no all-to-all/compute overlap")
+        out.append("MoE routing timed as balanced (physics.moe.ROUTING_IMBALANCE); token permute unfused (Megatron's "
+                   "default); no all-to-all/compute overlap (--overlap-moe-expert-parallel-comm is not a plan field)")
     if im.use_torch_fsdp2:
         out.append("FSDP timed as distributed optimizer + overlapped param all-gather (not modelled in detail)")
     return out

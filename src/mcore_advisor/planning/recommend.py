@@ -8,7 +8,8 @@ re-runs a quicker search for 2x the GPUs and a 2x longer sequence, and, when not
 would: the GPU count the model state needs, a sequence that fits, or optimizer CPU offload.
 
 Pure: no clock, no I/O. `recommend_parallelism(..., clock=time.perf_counter)` lets an adapter
-(CLI, server) measure the search rate without the core reading the clock itself.
+(CLI, server) measure the search rate without the core reading the clock itself, and
+`cpu_clock=time.thread_time` bounds the searches' CPU time (SEARCH_CPU_BUDGET_S).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.megatron_flags import FULL_RECOMPUTE_DEFAULT
-from mcore_advisor.knowledge.models import count_params, resolve_model
+from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.knowledge.runs import plan_for_run, published_runs
+from mcore_advisor.physics.anatomy import count_params
 from mcore_advisor.physics.evaluate import Evaluation, evaluate_plan
 from mcore_advisor.physics.memory import CUDA_CONTEXT_GIB, model_state_bytes_per_param
 from mcore_advisor.physics.step_time import hardware_params, step_time
@@ -73,12 +75,44 @@ instead, and a note says so. The largest published run the quality benchmark sea
 MAX_FOLLOW_UP_LAYOUTS = 20_000
 """Layouts all follow-up quick searches of one call (what-ifs, no-fit suggestions) may enumerate together."""
 QUICK_SPACE = "TP within a node, ETP 1 or TP, CP a power of two, SP on, micro-batch <= 8, distributed optimizer on"
+SEARCH_CPU_BUDGET_S = 3.5
+"""CPU seconds the main search and its follow-up searches of one call may take together when the caller
+passes a cpu_clock (issue 19: no call over 5 s; the rest of a call, verification, explanations and the
+nearest published run, takes under 1 s cold). The main search checks the likeliest winners first and
+stops between layout groups when one more would overrun the budget, and a note says how far it got; a
+follow-up search that would not finish at the main search's rate is skipped, with a note. A CPU
+clock, not the wall clock, so a loaded host does not change the answers."""
 
 
 @dataclass
 class _Budget:
+    """What one call's searches may still spend: layouts for the follow-ups, and CPU time for all of
+    them when the caller gave a CPU clock (`clock`; `end` is when the budget runs out)."""
+
     left: int
     skipped: int = 0
+    timed_out: int = 0  # of the skipped: not started or stopped because the CPU budget was spent
+    clock: Callable[[], float] | None = None
+    end: float = math.inf
+    last: float = 0.0  # clock at the start of the running search or at its last deadline check
+    s_per_layout: float = 0.0  # the main search's CPU per layout, to foresee a follow-up's
+
+    def start(self) -> Callable[[], bool] | None:
+        """The deadline for a search starting now (None without a clock: the search runs in full)."""
+        if self.clock is None:
+            return None
+        self.last = self.clock()
+        return self._deadline
+
+    def _deadline(self) -> bool:
+        # Asked between layout groups: stop when one more group, costing what the last one did,
+        # would end past the budget (so the searches end about at it, not a group later).
+        now = self.clock()
+        step, self.last = now - self.last, now
+        return now + step > self.end
+
+    def affords(self, layouts: int) -> bool:
+        return self.clock is None or self.clock() + layouts * self.s_per_layout <= self.end
 
 
 # Per call (set by recommend_parallelism): the follow-up searches share one budget without every
@@ -365,7 +399,8 @@ class Recommendation(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
-def recommend_parallelism(request: RecommendRequest, *, clock: Callable[[], float] | None = None) -> Recommendation:
+def recommend_parallelism(request: RecommendRequest, *, clock: Callable[[], float] | None = None,
+                          cpu_clock: Callable[[], float] | None = None) -> Recommendation:
     """Ranked parallel layouts that fit, fastest first, with predictions and explanations.
 
     Searches every valid TP, PP (even, or uneven when the layers do not divide), VP, CP, EP, ETP,
@@ -373,7 +408,8 @@ def recommend_parallelism(request: RecommendRequest, *, clock: Callable[[], floa
     each with the validators, scores memory and step time with the shared core, and re-checks the
     winners with evaluate_plan. Use it first when someone asks how to train a model on N GPUs.
     Nothing fitting is a normal result (feasible=False) with suggestions. Raises KeyError for an
-    unknown model or GPU and ValueError for contradictory constraints.
+    unknown model or GPU and ValueError for contradictory constraints. `cpu_clock` (the calling
+    thread's CPU time) bounds the searches to SEARCH_CPU_BUDGET_S; a note says when that cut one short.
     """
     t0 = clock() if clock else None
     shape = resolve_model(request.model)
@@ -389,7 +425,10 @@ def recommend_parallelism(request: RecommendRequest, *, clock: Callable[[], floa
         notes.append(f"the full search space has {size:,} layouts, more than the {MAX_LAYOUTS:,} one answer may take: "
                      f"searched the quicker space instead ({QUICK_SPACE}; {space_size(inp):,} layouts); pin dimensions "
                      "(fixed tp, pp, ep, ...) to search the rest in full")
-    token = _follow_ups.set(_Budget(left=MAX_FOLLOW_UP_LAYOUTS))
+    budget = _Budget(left=MAX_FOLLOW_UP_LAYOUTS, clock=cpu_clock)
+    if cpu_clock is not None:
+        budget.end = cpu_clock() + SEARCH_CPU_BUDGET_S
+    token = _follow_ups.set(budget)
     try:
         return _recommend(request, shape, g, gbs, inp, notes, clock, t0)
     finally:
@@ -398,7 +437,12 @@ def recommend_parallelism(request: RecommendRequest, *, clock: Callable[[], floa
 
 def _recommend(request: RecommendRequest, shape: ModelShape, g, gbs: int, inp: SearchInputs, notes: list[str],
                clock: Callable[[], float] | None, t0: float | None) -> Recommendation:
-    out = search(inp)
+    budget = _budget()
+    deadline, c0 = budget.start(), budget.last
+    out = search(inp, deadline)
+    if deadline is not None:
+        st = out.stats
+        budget.s_per_layout = (budget.clock() - c0) / max(1, st.layouts_enumerated - st.layouts_not_reached)
     t_search = clock() if clock else None
     plans, verified, rejected = _top_plans(request, inp, out, request.top_k)
 
@@ -421,9 +465,7 @@ def _recommend(request: RecommendRequest, shape: ModelShape, g, gbs: int, inp: S
         "option of it, and the distributed optimizer is never slower or larger in this model"
     )
     notes.append(f"memory must leave {inp.required_headroom_gib:.1f} GiB of {capacity:.1f} GiB free on the most-loaded GPU")
-    if _budget().skipped:
-        notes.append(f"{_budget().skipped} follow-up search(es) (what-ifs, suggestions) skipped: together they would "
-                     f"enumerate more than {MAX_FOLLOW_UP_LAYOUTS:,} layouts")
+    notes.extend(_budget_notes(out))
     if any(p.plan.parallelism.decoder_first_pipeline_num_layers or p.plan.parallelism.decoder_last_pipeline_num_layers for p in plans):
         notes.append(
             "uneven pipeline split: decoder_first/last_pipeline_num_layers put fewer layers on the first/last stage "
@@ -466,6 +508,24 @@ def _recommend(request: RecommendRequest, shape: ModelShape, g, gbs: int, inp: S
 # ---------------------------------------------------------------------------------------------
 # Request -> search inputs
 # ---------------------------------------------------------------------------------------------
+
+
+def _budget_notes(out: SearchOutcome) -> list[str]:
+    """What the layout and time budgets left out of this answer."""
+    s, b, notes = out.stats, _budget(), []
+    if s.layouts_not_reached:
+        left = s.layouts_enumerated - s.layouts_pruned_by_model_state
+        notes.append(f"search stopped at its {SEARCH_CPU_BUDGET_S:g} s CPU limit: {left - s.layouts_not_reached:,} of the "
+                     f"{left:,} layouts that pass the model-state bound checked, {s.layouts_not_reached:,} not reached; "
+                     "the plans are the best of those checked; pin dimensions (fixed tp, pp, ep, ...) to search the rest")
+    over = b.skipped - b.timed_out
+    if over:
+        notes.append(f"{over} follow-up search(es) (what-ifs, suggestions) skipped: together they would "
+                     f"enumerate more than {MAX_FOLLOW_UP_LAYOUTS:,} layouts")
+    if b.timed_out:
+        notes.append(f"{b.timed_out} follow-up search(es) (what-ifs, suggestions) skipped: past the "
+                     f"{SEARCH_CPU_BUDGET_S:g} s CPU limit of this call's searches")
+    return notes
 
 
 def _implementation(request: RecommendRequest) -> ImplementationSpec:
@@ -826,24 +886,36 @@ def _family(name: str | None, moe: bool | None) -> tuple[bool | None, str | None
     return moe, next((f for f in _FAMILIES if f in n), None)
 
 
-def _run_differences(run, p_run: float, params: float, gpu_key: str, fam: tuple, run_fam: tuple,
-                     precision: str | None, seq_length: int, num_gpus: int) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class _ThisPlan:
+    """What a published run is set beside: this plan's parameters, GPU, (is MoE, family), precision
+    family, sequence length and GPU count."""
+
+    params: float
+    gpu_key: str
+    fam: tuple
+    precision: str | None
+    seq_length: int
+    num_gpus: int
+
+
+def _run_differences(run, p_run: float, run_fam: tuple, plan: _ThisPlan) -> list[str]:
     out = []
     rp = _precision_family(run.precision)
-    if precision is not None and rp is not None and rp != precision:
-        out.append(f"precision {rp.upper()} (this plan: {precision.upper()})")
-    if run.gpu != gpu_key:
-        out.append(f"GPU {run.gpu} (this plan: {gpu_key})")
-    if run_fam[0] is not None and run_fam[0] != fam[0]:
-        out.append(f"{'MoE' if run_fam[0] else 'dense'} model (this plan: {'MoE' if fam[0] else 'dense'})")
-    if run_fam[1] != fam[1]:
-        out.append(f"model {run.model}, another family than this plan's {fam[1] or 'custom model'}")
-    if abs(math.log(p_run / params)) > math.log(1.1):
-        out.append(f"{p_run / 1e9:,.1f}B parameters (this plan: {params / 1e9:,.1f}B)")
-    if run.seq_length != seq_length:
-        out.append(f"sequence {run.seq_length} (this plan: {seq_length})")
-    if run.num_gpus != num_gpus:
-        out.append(f"{run.num_gpus} GPUs (this plan: {num_gpus})")
+    if plan.precision is not None and rp is not None and rp != plan.precision:
+        out.append(f"precision {rp.upper()} (this plan: {plan.precision.upper()})")
+    if run.gpu != plan.gpu_key:
+        out.append(f"GPU {run.gpu} (this plan: {plan.gpu_key})")
+    if run_fam[0] is not None and run_fam[0] != plan.fam[0]:
+        out.append(f"{'MoE' if run_fam[0] else 'dense'} model (this plan: {'MoE' if plan.fam[0] else 'dense'})")
+    if run_fam[1] != plan.fam[1]:
+        out.append(f"model {run.model}, another family than this plan's {plan.fam[1] or 'custom model'}")
+    if abs(math.log(p_run / plan.params)) > math.log(1.1):
+        out.append(f"{p_run / 1e9:,.1f}B parameters (this plan: {plan.params / 1e9:,.1f}B)")
+    if run.seq_length != plan.seq_length:
+        out.append(f"sequence {run.seq_length} (this plan: {plan.seq_length})")
+    if run.num_gpus != plan.num_gpus:
+        out.append(f"{run.num_gpus} GPUs (this plan: {plan.num_gpus})")
     return out
 
 
@@ -896,7 +968,8 @@ def nearest_published_run(shape: ModelShape, cluster: ClusterSpec, seq_length: i
         measured_tokens_per_s_per_gpu=run.measured_tokens_per_sec_per_gpu,
         measured_tflops_per_gpu=run.measured_tflops_per_gpu, flop_convention=run.flop_convention,
         measured_mfu_pct=run.measured_mfu_pct, predicted_tokens_per_s_per_gpu=pred, distance=round(d, 3),
-        differences=_run_differences(run, p_run, params, g.key, fam, run_fam, precision, seq_length, cluster.num_gpus),
+        differences=_run_differences(run, p_run, run_fam,
+                                     _ThisPlan(params, g.key, fam, precision, seq_length, cluster.num_gpus)),
     )
 
 
@@ -919,8 +992,16 @@ def _quick_best(request: RecommendRequest, shape: ModelShape, gbs: int, *, clust
     if size > budget.left:
         budget.skipped += 1
         return None
+    if not budget.affords(size):  # it would not finish within the CPU budget at the main search's rate
+        budget.skipped += 1
+        budget.timed_out += 1
+        return None
     budget.left -= size
-    out = search(inp)
+    out = search(inp, budget.start())
+    if out.stats.layouts_not_reached:  # a partial answer to a what-if would mislead: none instead
+        budget.skipped += 1
+        budget.timed_out += 1
+        return None
     plans, _, _ = _top_plans(request, inp, out, 1, max_checks=5)
     return plans[0] if plans else None
 

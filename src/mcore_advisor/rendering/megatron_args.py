@@ -1,4 +1,5 @@
-"""Plan -> Megatron-LM `pretrain_gpt.py` command-line flags, each with the reason it is there.
+"""Plan -> Megatron-LM `pretrain_gpt.py` (`pretrain_hybrid.py` for hybrid Mamba models) command-line flags,
+each with the reason it is there.
 
 Which plan field becomes which flag (names, defaults, derived flags) is knowledge/megatron_flags.py's
 table, the one the log parser reads back with; this module puts its groups in order among the flags
@@ -26,7 +27,7 @@ from mcore_advisor.schemas import ModelShape, Plan, parallel_dims, with_changes
 if TYPE_CHECKING:
     from mcore_advisor.rendering.request import RenderRequest
 
-__all__ = ["Flag", "RenderedPlan", "as_rendered", "megatron_flags", "run_flags"]
+__all__ = ["Flag", "RenderedPlan", "as_rendered", "entry_script", "megatron_flags", "run_flags"]
 
 _f = table.make_flag
 
@@ -50,6 +51,12 @@ def as_rendered(plan: Plan, *, apex: bool) -> RenderedPlan:
     notes: list[str] = []
     par: dict = {}
     imp: dict = {}
+    shape = resolve_model(plan.model)
+    impl = im.transformer_impl
+    if shape.is_hybrid and impl == "local":
+        impl = imp["transformer_impl"] = "transformer_engine"
+        notes.append("transformer_impl 'local' rendered as transformer_engine: pretrain_hybrid.py builds a hybrid model "
+                     "from Megatron-Core's hybrid layer specs, Transformer Engine modules only (there is no local one)")
     if p.virtual_pipeline_model_parallel_size and p.virtual_pipeline_model_parallel_size > 1 and d.pp == 1:
         par["virtual_pipeline_model_parallel_size"] = None
         notes.append("virtual_pipeline_model_parallel_size ignored: it needs pipeline_model_parallel_size > 1")
@@ -67,7 +74,7 @@ def as_rendered(plan: Plan, *, apex: bool) -> RenderedPlan:
         par["overlap_param_gather"] = False
         notes.append("overlap_param_gather dropped: Megatron requires the distributed optimizer and overlap_grad_reduce")
     sp = par.get("sequence_parallel", p.sequence_parallel)
-    if p.tp_comm_overlap and not (im.transformer_impl == "transformer_engine" and sp and d.tp > 1):
+    if p.tp_comm_overlap and not (impl == "transformer_engine" and sp and d.tp > 1):
         # validate_args asserts sequence_parallel; the userbuffers live in Transformer Engine.
         par["tp_comm_overlap"] = False
         notes.append("tp_comm_overlap dropped: it needs transformer_engine, sequence_parallel and TP > 1")
@@ -78,17 +85,16 @@ def as_rendered(plan: Plan, *, apex: bool) -> RenderedPlan:
         par["recompute_num_layers"] = p.recompute_num_layers or FULL_RECOMPUTE_DEFAULT[1]
         notes.append(f"full recompute without method/num_layers: rendered as --recompute-method {par['recompute_method']} "
                      f"--recompute-num-layers {par['recompute_num_layers']}")
-    if im.attention_backend == "local" and im.transformer_impl == "transformer_engine":
+    if im.attention_backend == "local" and impl == "transformer_engine":
         imp["attention_backend"] = "auto"
         notes.append("attention_backend 'local' not passed: Megatron's pretrain_gpt cannot take --spec local, so the "
                      "Transformer Engine layers pick their own kernel (auto); use transformer_impl 'local' for Megatron's own attention")
-    shape = resolve_model(plan.model)
     if im.bias_activation_fusion and not shape.swiglu and not shape.add_bias_linear:
         # validate_args: "Disable bias gelu fusion if we are disabling bias altogether" (bias_gelu_fusion
         # is what TransformerConfig.bias_activation_fusion takes without --swiglu).
         imp["bias_activation_fusion"] = False
         notes.append("bias_activation_fusion off: Megatron turns the fused bias-GeLU off for models without linear biases")
-    if im.masked_softmax_fusion and im.transformer_impl == "local" and not apex:
+    if im.masked_softmax_fusion and impl == "local" and not apex:
         # The local spec's DotProductAttention imports Apex's compiled kernels (scaled_upper_triang_masked_softmax_cuda)
         # at the first step for sequences of up to 4,096 tokens (fusions/fused_softmax.py): without Apex it fails.
         imp["masked_softmax_fusion"] = False
@@ -199,17 +205,19 @@ def _seq_length_max(plan: Plan) -> int | None:
     return catalog_model(plan.model.name).spec.seq_length_max
 
 
+def entry_script(shape: ModelShape) -> str:
+    """Megatron-LM's training script for the model: pretrain_hybrid.py builds a HybridModel from
+    --hybrid-layer-pattern (Megatron-LM 0.19 renamed pretrain_mamba.py to it and keeps the old name as a
+    deprecated wrapper); pretrain_gpt.py builds a GPTModel, every layer attention + MLP/MoE."""
+    return "pretrain_hybrid.py" if shape.is_hybrid else "pretrain_gpt.py"
+
+
 def megatron_flags(rendered: RenderedPlan, shape: ModelShape, req: RenderRequest, *, run_dir: str,
                    notes: list[str]) -> list[Flag]:
-    """All flags for pretrain_gpt.py from the as-rendered plan, grouped: layout, model, precision/kernels,
-    MoE, run options (knowledge/megatron_flags.py's groups in order). `notes` collects model settings the
-    flags cannot carry."""
+    """All flags for pretrain_gpt.py (pretrain_hybrid.py for a hybrid model) from the as-rendered plan,
+    grouped: layout, model, precision/kernels, MoE, run options (knowledge/megatron_flags.py's groups in
+    order). `notes` collects model settings the flags cannot carry."""
     plan = rendered.plan
-    if shape.is_hybrid:
-        raise ValueError(
-            "model.hybrid_layer_pattern: hybrid Mamba models train with Megatron-LM's pretrain_hybrid.py (MambaModel), "
-            "and these scripts run pretrain_gpt.py, which would build every layer as attention + MLP; render target "
-            "'megatron' only for GPT models (drop model.hybrid_layer_pattern) until hybrid scripts are supported")
     view = RenderView(plan, shape, _seq_length_max(plan), rendered.no_wgrad_fusion_why, notes)
     flags = [f for group in ("layout", "model", "settings", "dropout", "precision", "moe_impl")
              for f in table.render(view, group)]

@@ -26,14 +26,25 @@ from mcore_advisor import __version__
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.evaluate import Evaluation, evaluate_plan
-from mcore_advisor.rendering.megatron_args import Flag, as_rendered, megatron_flags
+from mcore_advisor.rendering.megatron_args import Flag, as_rendered, entry_script, megatron_flags
 from mcore_advisor.rendering.request import Launcher, RenderRequest, Target
-from mcore_advisor.schemas import Plan, parallel_dims
+from mcore_advisor.schemas import ModelShape, Plan, parallel_dims
 
 PROFILE_ENTRY_MODULE = "mcore_advisor.launcher.entry.profile"
 #: Below this fraction of free HBM (per the memory estimate) the script turns on expandable segments:
 #: fragmentation in PyTorch's caching allocator typically costs a few GiB on an 80 GiB GPU.
 TIGHT_MEMORY_HEADROOM = 0.10
+
+
+def profile_job_refusal(shape: ModelShape) -> str | None:
+    """Why the profile job cannot run this model (None: it can). Its model provider
+    (launcher/entry/gpt.py) builds Megatron-Core's GPTModel, which would make every layer of a hybrid
+    Mamba model attention + MLP and measure a different model."""
+    if not shape.is_hybrid:
+        return None
+    return ("model.hybrid_layer_pattern: the profile job builds GPT models only (its model_provider makes a GPTModel; "
+            "a hybrid Mamba model needs Megatron-LM's HybridModel from pretrain_hybrid.py), so it would measure another "
+            "model; render target 'megatron' for a pretrain_hybrid.py script instead, or profile a GPT model")
 
 
 # ---- validation of untrusted text ------------------------------------------------------------
@@ -175,9 +186,9 @@ class LaunchArtifact(BaseModel):
     script_name: str = Field(description="File name the command expects the script under.")
     script: str = Field(description="The script text (bash).")
     command: str = Field(description="Shell line that runs the saved script (creates the Slurm log directory first).")
-    program: list[str] = Field(description="What each rank runs: [pretrain_gpt.py] or ['-m', the profile entry module].")
+    program: list[str] = Field(description="What each rank runs: [pretrain_gpt.py] (pretrain_hybrid.py for a hybrid Mamba model) or ['-m', the profile entry module].")
     program_args: list[str] = Field(description="Exact argv after `program` in the script.")
-    megatron_args: list[str] = Field(description="Megatron-LM pretrain_gpt.py argv equivalent to the plan and options (also for target profile, for reference).")
+    megatron_args: list[str] = Field(description="Megatron-LM pretrain_gpt.py (or pretrain_hybrid.py) argv equivalent to the plan and options (also for target profile, for reference).")
     explanations: list[FlagExplanation] = Field(description="Each flag of program_args with its reason.")
     env: list[EnvSetting] = Field(description="Environment decisions in script order.")
     nodes: int
@@ -384,7 +395,8 @@ def render_launch_script(request: RenderRequest) -> LaunchArtifact:
     Megatron-LM arguments, environment and the reason for each, plus the command that runs it.
 
     Use after evaluate_plan / recommend_parallelism to turn a plan into something to run: target
-    'megatron' runs Megatron-LM's pretrain_gpt.py, target 'profile' runs mcore-advisor's profile job.
+    'megatron' runs Megatron-LM's pretrain_gpt.py (pretrain_hybrid.py for a hybrid Mamba model), target
+    'profile' runs mcore-advisor's profile job (GPT models only).
     Raises ValueError naming the field for unsafe or inconsistent options, and for plans the
     validators reject (unless allow_invalid).
     """
@@ -396,6 +408,9 @@ def render_launch_script(request: RenderRequest) -> LaunchArtifact:
     gpu_spec = gpu(plan.cluster.gpu)
     shape = resolve_model(plan.model)
     d = parallel_dims(plan)
+    refusal = profile_job_refusal(shape) if req.target == "profile" else None
+    if refusal:
+        raise ValueError(refusal)
 
     apex = req.apex_installed if req.apex_installed is not None else req.container_image is not None
     rendered = as_rendered(plan, apex=apex)
@@ -421,11 +436,7 @@ def render_launch_script(request: RenderRequest) -> LaunchArtifact:
     if req.target == "megatron" and rendered.plan != plan:
         notes.append("the predicted figures above are for the plan as these flags run it (the changes noted here), "
                      "not for the plan JSON as given")
-    if req.target == "profile" and shape.is_hybrid:
-        mflags: list[Flag] = []
-        notes.append("no Megatron-LM argv for reference: hybrid Mamba models run pretrain_hybrid.py, which this renderer does not target")
-    else:
-        mflags = megatron_flags(rendered, shape, req, run_dir=run_dir, notes=notes)
+    mflags = megatron_flags(rendered, shape, req, run_dir=run_dir, notes=notes)
     extra = _extra_flags(req.extra_args)
     plan_sourced = {f.name for f in mflags}
     clashes = [f.name.split("=", 1)[0] for f in extra if f.name.split("=", 1)[0] in plan_sourced]
@@ -436,7 +447,8 @@ def render_launch_script(request: RenderRequest) -> LaunchArtifact:
 
     spec_json = None
     if req.target == "megatron":
-        program = [_check_operand("pretrain_script", req.pretrain_script or f"{req.megatron_lm_dir.rstrip('/')}/pretrain_gpt.py")]
+        default_script = f"{req.megatron_lm_dir.rstrip('/')}/{entry_script(shape)}"
+        program = [_check_operand("pretrain_script", req.pretrain_script or default_script)]
         arg_flags = mflags + extra
     else:
         spec_json = json.dumps(req.profile_spec, sort_keys=True, separators=(",", ":"))
@@ -460,7 +472,7 @@ def render_launch_script(request: RenderRequest) -> LaunchArtifact:
     options = req.model_dump(mode="json", exclude={"plan", "profile_spec", "invocation"}, exclude_defaults=True)
     invocation = req.invocation or f"render_launch_script(target={req.target}, launcher={req.launcher}) options {json.dumps(options, sort_keys=True)}"
     vp = f"VP {d.vp}" if d.vp > 1 else "no VP"
-    what = "Megatron-LM pretrain_gpt.py" if req.target == "megatron" else "mcore-advisor profile job"
+    what = f"Megatron-LM {entry_script(shape)}" if req.target == "megatron" else "mcore-advisor profile job"
     header = [
         f"mcore-advisor {__version__} render_launch_script: {what} via {req.launcher}, "
         f"{nodes} node(s) x {gpn} GPU(s) ({gpu_spec.key})",

@@ -30,7 +30,7 @@ class RenderRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     plan: Plan = Field(description="The training plan (its world size is cluster.num_gpus).")
-    target: Target = Field("megatron", description="'megatron': Megatron-LM pretrain_gpt.py; 'profile': mcore-advisor's profile entry (python -m mcore_advisor.launcher.entry.profile).")
+    target: Target = Field("megatron", description="'megatron': Megatron-LM pretrain_gpt.py (pretrain_hybrid.py for a hybrid Mamba model); 'profile': mcore-advisor's profile entry (python -m mcore_advisor.launcher.entry.profile; GPT models only).")
     launcher: Launcher = Field("torchrun", description="'torchrun': single-node script; 'slurm': sbatch script, one torch.distributed.run per node via srun.")
     nodes: int | None = Field(None, ge=1, le=65536, description="Nodes; None = cluster.num_gpus / gpus_per_node. nodes x gpus_per_node must equal cluster.num_gpus.")
     gpus_per_node: int | None = Field(None, ge=1, le=72, description="GPU processes per node; None = cluster.gpus_per_node, else the GPU's catalog default (capped at num_gpus).")
@@ -39,7 +39,7 @@ class RenderRequest(BaseModel):
     run_dir: str | None = Field(None, description="Directory for the run's outputs (profiles, spec.json, tensorboard); None = 'runs/<job_name>'. Relative paths are relative to where the script runs.")
     script_name: str | None = Field(None, description="File name the script is meant to be saved as (used in the command); None = 'run.sh' / 'run.sbatch'.")
     megatron_lm_dir: str = Field("/opt/megatron-lm", description="Megatron-LM checkout (target megatron).")
-    pretrain_script: str | None = Field(None, description="Path of pretrain_gpt.py; None = <megatron_lm_dir>/pretrain_gpt.py.")
+    pretrain_script: str | None = Field(None, description="Path of the training script; None = <megatron_lm_dir>/pretrain_gpt.py, or <megatron_lm_dir>/pretrain_hybrid.py for a hybrid Mamba model.")
     python_executable: str = Field("python", description="Python used on Slurm nodes (python -m torch.distributed.run) and nothing else.")
     torchrun_executable: str = Field("torchrun", description="torchrun used by the single-node script.")
     data_path: list[str] | None = Field(None, description="Megatron --data-path items (prefixes, optionally 'weight prefix' pairs); None = --mock-data.")

@@ -210,7 +210,7 @@ def build_server(
         """
         detail = _detail(kw.pop("detail", None))
         req = recommend_request(kw)
-        rec = await run.search(lambda: _recommend(req, clock=time.perf_counter))
+        rec = await run.search(lambda: _recommend(req, clock=time.perf_counter, cpu_clock=time.thread_time))
         text, data = views.recommend_view(rec, plans.add, detail)
         return answer("recommend_parallelism", text, data, large=detail == "full")
 
@@ -291,7 +291,7 @@ def build_server(
     async def render_launch_script(
         plan_args: dict[str, Any],
         launcher: arg({"type": "string", "enum": ["torchrun", "slurm"], "description": "torchrun (one node) or slurm (sbatch, srun per node)."}) = None,
-        target: arg({"type": "string", "enum": ["megatron", "profile"], "description": "megatron: pretrain_gpt.py; profile: the profile job."}) = None,
+        target: arg({"type": "string", "enum": ["megatron", "profile"], "description": "megatron: pretrain_gpt.py (pretrain_hybrid.py for hybrid Mamba models); profile: the profile job."}) = None,
         nodes: arg(field_schema(RenderRequest, "nodes", "Nodes (default num_gpus / GPUs per node).")) = None,
         train_iters: arg(field_schema(RenderRequest, "train_iters", "Training steps.")) = None,
         job_name: arg({"type": "string", "description": "Slurm job name."}) = None,
@@ -300,7 +300,7 @@ def build_server(
         options: arg({"type": "object", "additionalProperties": True, "description": "Any other RenderRequest field (data_path, slurm_account, ...)."}) = None,
         detail: DETAIL = None,
     ) -> Annotated[CallToolResult, views.RenderOut]:
-        """A runnable torchrun or Slurm sbatch script (Megatron-LM pretrain_gpt.py or the profile job) for a plan; the script is the text answer.
+        """A runnable torchrun or Slurm sbatch script (Megatron-LM pretrain_gpt.py, pretrain_hybrid.py for hybrid Mamba models, or the profile job) for a plan; the script is the text answer.
 
         Every value is validated and shell-quoted; the header states the plan's predicted figures.
         Nothing is executed.

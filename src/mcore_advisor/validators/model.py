@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from mcore_advisor.schemas import mamba_in_proj_width
+
 from ._core import (
     ATTENTION_BACKEND,
     CP,
@@ -588,17 +590,13 @@ def _hybrid_vp(c: Ctx):
     "error",
     AREA,
     "FP8 needs the Mamba in_proj width to be a multiple of 16",
-    when=lambda c: c.shape.num_mamba_layers > 0 and c.precision == "fp8" and _in_proj_width(c.shape) % 16 != 0,
+    when=lambda c: c.shape.num_mamba_layers > 0 and c.precision == "fp8" and mamba_in_proj_width(c.shape) % 16 != 0,
 )
 def _mamba_fp8(c: Ctx):
     # MambaMixer asserts this under config.fp8 (FP8 GEMMs need 16-aligned dimensions).
     return (
         [PRECISION, "model.mamba_num_heads", "model.mamba_state_dim", "model.mamba_num_groups"],
         f"For FP8, the innermost dimension of the Mamba layer input projection output tensor must be a multiple of "
-        f"16 (2*d_inner + 2*groups*state + heads = {_in_proj_width(c.shape)})",
+        f"16 (2*d_inner + 2*groups*state + heads = {mamba_in_proj_width(c.shape)})",
         "set training.precision to bf16, or Mamba dims whose in_proj width is a multiple of 16",
     )
-
-
-def _in_proj_width(s) -> int:
-    return 2 * s.mamba_d_inner + 2 * s.mamba_num_groups * s.mamba_state_dim + s.mamba_num_heads

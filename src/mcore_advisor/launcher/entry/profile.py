@@ -57,8 +57,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+# The one FLOP count (physics.anatomy: standard library only, no pydantic), for the full-s^2 convention
+# beside Megatron's own causal one.
+import mcore_advisor.physics.anatomy as _anatomy
 from mcore_advisor.launcher.entry import argv as _argv
-from mcore_advisor.launcher.entry import flops as _flops
 from mcore_advisor.launcher.entry import result as _contract
 from mcore_advisor.launcher.entry import trace as _trace
 from mcore_advisor.launcher.entry import trainlog as _trainlog
@@ -66,8 +68,10 @@ from mcore_advisor.launcher.entry import trainlog as _trainlog
 GIB = 2**30
 MIB = 2**20
 #: memory_at_scale: iterations run, and the one after which memory is read (optimizer state exists
-#: after the first step; later steps would train on other ranks' fake data)
-AT_SCALE_ITERATIONS = 3
+#: after the first step; later steps train on other ranks' fake data). No iteration after the read:
+#: a third one on Mixtral-8x22B's rank 0 (s4/9) routed every token to a few experts (NaN gradients
+#: from the fake world) and ran out of memory after the figure had been taken.
+AT_SCALE_ITERATIONS = 2
 AT_SCALE_READ_AFTER = 2
 TRACE_FILE = "torch_profile/rank-0.json.gz"
 
@@ -575,8 +579,8 @@ class Job:
             return None
         gbs = args.global_batch_size
         # The full-s^2 count needs the spec's model shape, which a shrunk (CI) run does not have.
-        full = None if self.shrink else _flops.flops_per_iteration(self.spec["model"], args.seq_length, gbs, "full",
-                                                                   padded_vocab=args.padded_vocab_size)
+        full = None if self.shrink else _anatomy.flops_per_iteration(self.spec["model"], args.seq_length, gbs, "full",
+                                                                     padded_vocab_size=args.padded_vocab_size)
         flops = {"causal": float(num_floating_point_operations(args, gbs)), "full": full}
         self.host = hooks.host
         result = self._base(rows, kinds)
@@ -629,7 +633,7 @@ class Job:
             "megatron_tflops_per_gpu": [x["tflops_per_gpu"] for x in lines if x],
             "flops_per_iteration_causal": flops["causal"],
             "flops_per_iteration_full": flops["full"],
-            "flops_source": "causal: Megatron's num_floating_point_operations; full: entry/flops.py (full s^2 attention)",
+            "flops_source": "causal: Megatron's num_floating_point_operations; full: physics/anatomy.py (full s^2 attention)",
         }
         if not measured:
             return out
@@ -729,6 +733,7 @@ _SETTINGS = (
     "attention_softmax_in_fp32", "hidden_dropout", "attention_dropout", "use_distributed_optimizer",
     "overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "grad_reduce_in_bf16", "manual_gc", "manual_gc_interval",
     "check_for_nan_in_loss_and_grad", "tp_comm_overlap", "fake_process_group", "use_torch_fsdp2",
+    "cuda_graph_impl", "cuda_graph_modules",
 )
 
 
@@ -736,6 +741,8 @@ def _settings(args) -> dict[str, Any]:
     out = {}
     for name in _SETTINGS:
         v = getattr(args, name, None)
+        if isinstance(v, list):  # e.g. cuda_graph_modules: CudaGraphModule enum members -> their names
+            v = [x if isinstance(x, bool | int | float | str) else str(getattr(x, "name", x)) for x in v]
         out[name] = v if isinstance(v, bool | int | float | str | list | type(None)) else str(v)
     return out
 
