@@ -1,15 +1,17 @@
 """Check rendered Megatron-LM arguments with Megatron-LM's own parser and validator.
 
-Each file in benchmarks/gpu/rendered_args/*.txt holds the pretrain_gpt.py argv that
-render_launch_script produced for one representative plan (one token per line; '#' header lines
-give the world size, the GPU architecture and the environment the script sets). For every file this
-script runs, in a fresh process:
+Each file in benchmarks/gpu/rendered_args/*.txt holds the pretrain_gpt.py argv (pretrain_hybrid.py for
+a hybrid Mamba model) that render_launch_script produced for one representative plan (one token per
+line; '#' header lines give the entry script, the world size, the GPU architecture and the environment
+the script sets). For every file this script runs, in a fresh process:
 
   1. parse     megatron.training.arguments.parse_args(ignore_unknown_args=False) with sys.argv set:
                every flag name and value must exist and type-check in Megatron-LM;
   2. validate  validate_args(args) with WORLD_SIZE/RANK and the script's environment (e.g.
                CUDA_DEVICE_MAX_CONNECTIONS=1): Megatron's cross-flag assertions;
-  3. config    core_transformer_config_from_args(args): TransformerConfig.__post_init__ checks.
+  3. config    core_transformer_config_from_args(args): TransformerConfig.__post_init__ checks; for
+               pretrain_hybrid.py also hybrid_config_from_args(args), the HybridModelConfig that script
+               builds (its --spec module imported, the pattern's layer symbols checked).
 
 and prints one line per file: OK, or FAIL with the stage and Megatron's message.
 
@@ -89,7 +91,8 @@ def check_file(path: Path) -> int:
     os.environ["WORLD_SIZE"] = meta.get("world_size", "1")
     os.environ["RANK"] = "0"
     arch = int(meta.get("arch", "9"))
-    sys.argv = ["pretrain_gpt.py", *argv]
+    entry = meta.get("entry", "pretrain_gpt.py")
+    sys.argv = [entry, *argv]
 
     import megatron.training.arguments as margs
     from megatron.training.arguments import parse_args, validate_args
@@ -111,6 +114,13 @@ def check_file(path: Path) -> int:
                 args.apply_rope_fusion = False
                 notes.append("no TE here: config stage run with rope fusion off")
             margs.core_transformer_config_from_args(args)
+            if entry == "pretrain_hybrid.py":
+                from megatron.core.models.hybrid.hybrid_layer_allocation import validate_segment_layers
+                from megatron.training.argument_utils import hybrid_config_from_args
+
+                hybrid_config_from_args(args)
+                for segment in args.hybrid_layer_pattern.split("/")[0].split("|"):
+                    validate_segment_layers(segment)
     except SystemExit as exc:  # argparse reports bad flags by printing usage and exiting
         lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
         print(f"FAIL {path.name} [{stage}] exit {exc.code}: {lines[-1] if lines else ''}")
@@ -120,7 +130,7 @@ def check_file(path: Path) -> int:
         where = f" @ {frames[-1].filename.rsplit('site-packages/', 1)[-1]}:{frames[-1].lineno}" if frames else ""
         print(f"FAIL {path.name} [{stage}] {type(exc).__name__}: {exc}{where}")
         return 1
-    print(f"OK   {path.name} (world {meta.get('world_size')}, arch {arch}, dp {args.data_parallel_size}, "
+    print(f"OK   {path.name} ({entry}, world {meta.get('world_size')}, arch {arch}, dp {args.data_parallel_size}, "
           f"vp {args.virtual_pipeline_model_parallel_size}, {len(argv)} tokens)" + "".join(f"; {n}" for n in notes))
     return 0
 
@@ -168,7 +178,8 @@ def check_all() -> int:
 
 # name -> (plan, render options). Chosen to cover the flag families: dense/GQA, PP+VP, FP8,
 # TP comm overlap, MoE (EP, grouped GEMM, shared expert, layer pattern), MLA + MTP, CP with full
-# recompute, real data + checkpoints + torch profiler, local spec, FSDP2, Blackwell MXFP8 + nsys.
+# recompute, real data + checkpoints + torch profiler, local spec, FSDP2, Blackwell MXFP8 + nsys,
+# hybrid Mamba models (pretrain_hybrid.py).
 REPRESENTATIVE: dict[str, tuple[dict, dict]] = {
     "01_llama3-8b_tp2_sp": (
         {"model": {"name": "llama3-8b"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 8},
@@ -249,6 +260,19 @@ REPRESENTATIVE: dict[str, tuple[dict, dict]] = {
          "parallelism": {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 12,
                          "virtual_pipeline_model_parallel_size": 8, "sequence_parallel": True}},
         {"launcher": "slurm", "allow_invalid": True}),
+    # Hybrid Mamba models (issue 17): pretrain_hybrid.py with --hybrid-layer-pattern, the Mamba-2 shape and
+    # --spec; an uneven pipeline split written as the pattern's '|' stages; a hybrid MoE model with EP.
+    "13_nemotron-h-8b_hybrid_tp2_pp2_uneven": (
+        {"model": {"name": "nemotron-h-8b"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 16},
+         "training": {"seq_length": 8192, "global_batch_size": 64},
+         "parallelism": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                         "decoder_first_pipeline_num_layers": 24, "sequence_parallel": True}},
+        {"launcher": "slurm"}),
+    "14_nemotron-3-nano_hybrid_moe_ep8": (
+        {"model": {"name": "nemotron-3-nano"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 8},
+         "training": {"seq_length": 8192, "global_batch_size": 64},
+         "parallelism": {"expert_model_parallel_size": 8}},
+        {"launcher": "torchrun", "allow_invalid": True}),
 }
 
 # name -> (model, GPUs, seq_length): the top plan of recommend_parallelism for it, rendered as the CLI would.
@@ -271,6 +295,7 @@ def args_file_text(name: str, plan, opts: dict) -> str:
     art = render_launch_script(RenderRequest(plan=plan, **opts))
     lines = [
         f"# name {name}",
+        f"# entry {Path(art.program[0]).name}",
         f"# world_size {plan.cluster.num_gpus}",
         f"# arch {_ARCH_MAJOR[gpu(plan.cluster.gpu).architecture]}",
         *(f"# env {e.name}={e.value}" for e in art.env if e.action == "set"),

@@ -12,6 +12,7 @@ The full counts of what tests/reliability runs reduced in CI, with the same code
   final job state.
 
     .venv/bin/python benchmarks/reliability.py [--fuzz-per-tool 5000] [--load-calls 200] [--big-logs 50]
+    .venv/bin/python benchmarks/reliability.py --only fuzz --fuzz-tool recommend_parallelism   # one tool's rows
 
 Writes benchmarks/results/reliability.txt (and prints it).
 """
@@ -68,7 +69,7 @@ def header() -> list[str]:
 # ---- fuzzing ------------------------------------------------------------------------------------------------
 
 
-def run_fuzz(per_tool: int) -> list[str]:
+def run_fuzz(per_tool: int, only: list[str] | None = None) -> list[str]:
     lines = [f"## Fuzzing: {per_tool:,} generated inputs per tool through the in-memory MCP client",
              f"failure = an exception or traceback reaching the client, 'internal error', NaN/Infinity in an answer, "
              f"a call over {fuzz.CALL_LIMIT_S:g} CPU s or {fuzz.WALL_LIMIT_S:g} s wall, or a rejection naming no field",
@@ -81,6 +82,8 @@ def run_fuzz(per_tool: int) -> list[str]:
         names = fuzz.all_names(tools, pools)
         total = collections.Counter()
         for tool in tools:
+            if only and tool.name not in only:
+                continue
             t0 = time.monotonic()
             r = fuzz.fuzz_tool(portal, client, tool, pools, names, per_tool)
             print(f"  fuzz {tool.name}: {r.tried} in {time.monotonic() - t0:.0f} s, {len(r.failures)} failures", flush=True)
@@ -198,7 +201,7 @@ def section(name: str, a: argparse.Namespace) -> list[str]:
         return run_load(a.load_calls, a.big_logs)
     if name == "faults":
         return run_pytest("## Faults of the job system (tests/reliability/test_faults.py): each with its final state", "test_faults.py")
-    return run_fuzz(a.fuzz_per_tool)
+    return run_fuzz(a.fuzz_per_tool, a.fuzz_tool)
 
 
 def merge(old: str, name: str, new: list[str]) -> str:
@@ -212,6 +215,42 @@ def merge(old: str, name: str, new: list[str]) -> str:
     return "\n## ".join(blocks)
 
 
+def _rows_total(rows: list[str]) -> str:
+    n = [sum(int(r.split()[i].replace(",", "")) for r in rows) for i in (1, 2, 3, 4)]
+    return f"{'all tools':24} {n[0]:7,} {n[1]:8,} {n[2]:8,} {n[3]:8,}"
+
+
+def merge_fuzz_tools(old: str, new: list[str], tools: list[str], stamp: str) -> str:
+    """`old` with only these tools' rows and failure lines of the fuzzing section replaced by `new`'s
+    (the totals row recomputed from the rows), and `stamp` noting the rerun."""
+    blocks = old.split("\n## ")
+    i = next(i for i, b in enumerate(blocks) if i and b.startswith("Fuzzing"))
+    lines = blocks[i].split("\n")
+    first = next(j for j, ln in enumerate(lines) if ln.startswith("tool "))
+    end = next(j for j, ln in enumerate(lines) if ln.startswith("all tools"))
+    fresh = {ln.split()[0]: ln for ln in new if ln.split() and ln.split()[0] in tools}
+    rows = [fresh.get(ln.split()[0], ln) for ln in lines[first + 1:end]]
+    tail = lines[end + 1:]
+    details, k = [], 0
+    while k < len(tail):  # failure entries: "- tool: why" plus indented lines
+        ln = tail[k]
+        k += 1
+        if ln.startswith("- "):
+            entry = [ln]
+            while k < len(tail) and tail[k].startswith("    "):
+                entry.append(tail[k])
+                k += 1
+            if ln[2:].split(":")[0] not in tools:
+                details += entry
+    start = next((j for j, ln in enumerate(new) if ln.startswith("failures")), len(new))
+    details += [ln for ln in new[start + 1:] if ln.startswith(("- ", "    "))]
+    total_run = [ln for ln in tail if ln.startswith("total run time") or ln.startswith("(")]
+    body = [*lines[:first + 1], *rows, _rows_total(rows), "",
+            "failures (one input per distinct reason):" if details else "failures: none", *details, "", *total_run, stamp, ""]
+    blocks[i] = "\n".join(body).rstrip("\n") + ("\n" if i < len(blocks) - 1 else "")
+    return "\n## ".join(blocks)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fuzz-per-tool", type=int, default=5000)
@@ -219,13 +258,22 @@ def main() -> None:
     ap.add_argument("--big-logs", type=int, default=50)
     ap.add_argument("--only", choices=SECTIONS, action="append",
                     help="rerun only these sections and replace them in the existing results file")
+    ap.add_argument("--fuzz-tool", action="append",
+                    help="fuzz only this tool (repeatable); with --only fuzz, only its rows are replaced")
     a = ap.parse_args()
     logging.getLogger("mcp").setLevel(logging.CRITICAL)  # the SDK logs every rejected call
     t0 = time.monotonic()
     if a.only:
         text = OUT.read_text()
+        load0 = os.getloadavg()[0]
         for name in a.only:
-            text = merge(text, name, [*section(name, a), f"(section rerun {time.strftime('%Y-%m-%d %H:%M:%S %Z')})", ""])
+            stamp = f"(section rerun {time.strftime('%Y-%m-%d %H:%M:%S %Z')})"
+            if name == "fuzz" and a.fuzz_tool:
+                stamp = (f"({', '.join(a.fuzz_tool)} rerun {time.strftime('%Y-%m-%d %H:%M:%S %Z')} at {a.fuzz_per_tool:,} "
+                         f"inputs, commit {header()[1].split('commit ')[1]}, host load average {load0:.1f} at start)")
+                text = merge_fuzz_tools(text, section(name, a), a.fuzz_tool, stamp)
+            else:
+                text = merge(text, name, [*section(name, a), stamp, ""])
         OUT.write_text(text)
         print(text)
         return

@@ -169,6 +169,14 @@ def summary(runs: list[dict], pairs: list[dict]) -> dict:
     fp = [p for p in pairs if p["fake_vs_real_pct"] is not None]
     out["fake_vs_real"] = {"pairs": len(fp), "max_abs_pct": max((abs(p["fake_vs_real_pct"]) for p in fp), default=None),
                            "within_1pct": sum(abs(p["fake_vs_real_pct"]) <= 1 for p in fp)}
+    # The step split by rank 0's trace: where the error sits (GPU work, exposed communication, GPU idle).
+    traced = [r for r in ok if r.get("measured_parts")]
+    out["trace_split"] = {
+        "rows": len(traced),
+        "median_abs_compute_error_pct": _median([_err(r["prediction"]["parts"]["compute_s"], r["measured_parts"]["compute_s"]) for r in traced]),
+        "median_gpu_idle_share_measured_pct": _median([100 * r["measured_parts"]["idle_s"] / r["result"]["iter_s"] for r in traced]),
+        "median_gpu_idle_share_predicted_pct": _median([100 * r["prediction"]["parts"]["idle_s"] / r["prediction"]["iteration_time_s"] for r in traced]),
+    }
     out["rows"] = {"measured": len(ok), "failed": len(runs) - len(ok)}
     return out
 
@@ -323,8 +331,11 @@ def load(dirs: list[Path], session: str) -> dict:
     for d in dirs:
         call = f"{session}/{d.name}"
         misc = _misc(d)
-        data["runs"] += [(r, call) for r in _jsonl(d / "real" / "results.jsonl")]
-        data["fakes"] += [(r, call) for r in _jsonl(d / "fake_results.jsonl")]
+        # one queue per call since session s4 (runner --share-multi): its groups are told apart here;
+        # the 'at_scale' rows go to gpu_h100_megatron_runs.jsonl through collect.py
+        rows = _jsonl(d / "real" / "results.jsonl")
+        data["runs"] += [(r, call) for r in rows if r["group"] == "multi"]
+        data["fakes"] += [(r, call) for r in [*_jsonl(d / "fake_results.jsonl"), *rows] if r["group"] == "multi_fake"]
         data["nccl"] += _jsonl(d / "nccl_probe.jsonl")
         data["kernels"] += _jsonl(d / "kernel_probe.jsonl")
         if (d / "env.json").exists():
