@@ -24,24 +24,16 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nccl_probe import _time as _nccl_time  # noqa: E402  (benchmarks/ is not a package)
+
 REPS = 10
 GEMM = (8192, 8192, 8192)  # M, N, K of the GEMM timed beside communication
 
 
-def _time(fn, reps: int = REPS, device=None) -> float:
-    """Median seconds of one call (CUDA events on the current device)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize(device)
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(out)
+def _time(fn, reps: int = REPS) -> float:
+    """Median seconds of one call (CUDA events): nccl_probe's timer."""
+    return _nccl_time(fn, reps)
 
 
 def _wall(fn, reps: int = REPS) -> float:

@@ -82,14 +82,11 @@ class MoeKit:
     ramp: Callable[[Any], Any]  # NCCL size ramp
     wgrad_s: Callable[..., Any]  # weight-gradient accumulation seconds
     local_weights: Callable[..., Any]
+    linears: Callable[..., Any]  # GEMM seconds of an anatomy block's linear layers (tokens, TP or ETP, groups, rate)
     kernel_s: float  # KERNEL_LAUNCH_S
     latency_s: float  # COLLECTIVE_LATENCY_S
     nvlink_hop_s: float
     network_hop_s: float
-
-
-def _swiglu_mult(shape) -> float:
-    return 2.0 if shape.swiglu else 1.0
 
 
 def _aux_loss_on(shape) -> bool:
@@ -141,8 +138,7 @@ def experts(c, kit: MoeKit) -> dict:
     grouped = impl.moe_grouped_gemm
     rate = c.rate * (GROUPED_GEMM_RELATIVE_RATE if grouped else 1.0)
     groups = local if grouped else 1.0
-    fc1 = c.linear(M_e, fe * _swiglu_mult(shape) / c.etp, h, groups, rate=rate)
-    fc2 = c.linear(M_e, h, fe / c.etp, groups, rate=rate)
+    fc1, fc2 = kit.linears(c, linear_weights(shape)["expert"], M_e, c.etp, groups, rate)
     n = 1.0 if grouped else local  # SequentialMLP: one GEMM per local expert, launched in sequence
     act = T_exp * (3.0 if shape.swiglu else 2.0) * fe / c.etp * 2 / c.bw_ew
     w_exp = local * kit.local_weights(linear_weights(shape)["expert"], c.etp) + h * float(shape.num_experts)
@@ -155,13 +151,12 @@ def experts(c, kit: MoeKit) -> dict:
 def shared_experts(c, kit: MoeKit) -> dict:
     """The shared expert(s): a dense MLP of moe_shared_expert_intermediate_size over every token, split by TP."""
     shape = c.shape
-    fsh, h = float(shape.moe_shared_expert_intermediate_size), float(shape.hidden_size)
+    fsh = float(shape.moe_shared_expert_intermediate_size)
     if fsh <= 0:
         return {"gemm_f": 0.0, "gemm_b": 0.0, "ew_f": 0.0, "ew_b": 0.0, "acc_b": 0.0, "kernels": (0.0, 0.0)}
-    sh1 = c.linear(c.T, fsh * _swiglu_mult(shape) / c.tp, h)
-    sh2 = c.linear(c.T, h, fsh / c.tp)
-    act = c.T * (3.0 if shape.swiglu else 2.0) * fsh / c.tp * 2 / c.bw_ew
     lw = linear_weights(shape)["shared_expert"]
+    sh1, sh2 = kit.linears(c, lw)
+    act = c.T * (3.0 if shape.swiglu else 2.0) * fsh / c.tp * 2 / c.bw_ew
     acc = kit.wgrad_s(kit.local_weights(lw, c.tp), len(lw), c.impl, c.bw, c.bw_ew)
     return {"gemm_f": sh1[0] + sh2[0], "gemm_b": sh1[1] + sh1[2] + sh2[1] + sh2[2], "ew_f": act, "ew_b": 2.0 * act,
             "acc_b": acc, "kernels": SHARED_EXPERT_HOST_KERNELS}

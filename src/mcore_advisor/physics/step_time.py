@@ -709,31 +709,36 @@ class _AttentionGemms:
         return sum(x[1] + x[2] for x in self.lin) + self.proj[1] + self.proj[2]
 
 
+def _linears(c: _Ctx, weights: tuple, tokens=None, tp=None, groups=1.0, rate=None) -> list:
+    """(forward, dgrad, wgrad) seconds of each linear layer of an anatomy block (physics/anatomy.py
+    linear_weights: out x in and the dimension TP splits) on one rank: column-parallel layers split
+    their outputs over `tp` (the rank's TP, or expert TP for routed experts), row-parallel ones their
+    inputs, over `tokens` (the micro-batch's T by default); a replicated one (MLA's down-projections)
+    runs whole on the rank's sequence shard (T_sp tokens with SP)."""
+    tokens, tp = (c.T if tokens is None else tokens), (c.tp if tp is None else tp)
+    out = []
+    for n, k, tp_dim in weights:
+        if tp_dim is None:
+            out.append(c.linear(c.T_sp, float(n), float(k), groups, rate))
+        else:
+            out.append(c.linear(tokens, n / tp if tp_dim == 0 else float(n), k / tp if tp_dim == 1 else float(k), groups, rate))
+    return out
+
+
 def _attention_gemms(c: _Ctx) -> _AttentionGemms:
-    shape, T, T_sp, tp = c.shape, c.T, c.T_sp, c.tp
+    """The attention block's GEMMs from the layer anatomy (its last linear is the output projection)
+    and the widths the attention, elementwise and TP terms need."""
+    shape = c.shape
     h, n_heads = float(shape.hidden_size), float(shape.num_attention_heads)
+    *lin, proj = _linears(c, linear_weights(shape)["attention"])
     if not shape.multi_latent_attention:
         d, g = float(shape.kv_channels), float(shape.num_query_groups)
-        qkv = c.linear(T, (n_heads * d + 2 * g * d) / tp, h)
-        return _AttentionGemms([qkv], c.linear(T, h, n_heads * d / tp), d, d, g, n_heads * d + 2 * g * d, h)
+        return _AttentionGemms(lin, proj, d, d, g, n_heads * d + 2 * g * d, h)
     d_qk, d_rope, d_v = float(shape.qk_head_dim), float(shape.qk_pos_emb_head_dim), float(shape.v_head_dim)
+    # Megatron MLASelfAttention: the column-parallel up-projections gather their narrow inputs
+    # (q_compressed, kv_compressed) and the RoPE part of the key instead of the hidden state.
     r_kv = float(shape.kv_lora_rank)
-    # Megatron MLASelfAttention: the down-projections are whole on every TP rank and, with SP,
-    # run on the rank's sequence shard (T_sp tokens); the column-parallel up-projections gather
-    # their narrow inputs (q_compressed, kv_compressed) and the RoPE part of the key instead of
-    # the hidden state (gather_width).
-    lin = []
-    if shape.q_lora_rank is None:
-        lin.append(c.linear(T, n_heads * (d_qk + d_rope) / tp, h))
-        gather_width = h + r_kv + d_rope
-    else:
-        r_q = float(shape.q_lora_rank)
-        lin.append(c.linear(T_sp, r_q, h))  # q down-projection, replicated over TP
-        lin.append(c.linear(T, n_heads * (d_qk + d_rope) / tp, r_q))
-        gather_width = r_q + r_kv + d_rope
-    lin.append(c.linear(T_sp, r_kv + d_rope, h))  # kv down, replicated
-    lin.append(c.linear(T, n_heads * (d_qk + d_v) / tp, r_kv))
-    proj = c.linear(T, h, n_heads * d_v / tp)
+    gather_width = (h if shape.q_lora_rank is None else float(shape.q_lora_rank)) + r_kv + d_rope
     qkv_out = n_heads * (d_qk + d_rope) + n_heads * (d_qk + d_rope + d_v)  # per token, before /tp
     return _AttentionGemms(lin, proj, d_qk + d_rope, d_v, n_heads, qkv_out, gather_width)
 
@@ -946,11 +951,10 @@ class _Layers:
 
 
 def _dense_layer(c: _Ctx) -> _Layers:
-    shape, T, tp = c.shape, c.T, c.tp
-    h, f = float(shape.hidden_size), float(shape.ffn_hidden_size)
+    shape = c.shape
     a = _attention_gemms(c)
-    fc1 = c.linear(T, f * (2.0 if shape.swiglu else 1.0) / tp, h)
-    fc2 = c.linear(T, h, f / tp)
+    # the dense MLP's fc1 and fc2 (a zero-width pair where the model has no dense MLP)
+    fc1, fc2 = _linears(c, linear_weights(shape)["mlp"] or ((0, shape.hidden_size, 0), (shape.hidden_size, 0, 1)))
     attn_f, attn_b = _core_attention(c, a)
     ew = _elementwise(c, a)
     tp_comm = _TpComm(c)
@@ -974,7 +978,7 @@ def _dense_layer(c: _Ctx) -> _Layers:
 
 def _moe_kit() -> MoeKit:
     """This module's primitives for physics.moe (which cannot import them: this module imports it)."""
-    return MoeKit(ring_s=_ring_s, ramp=_ramp, wgrad_s=_wgrad_accumulation_s, local_weights=_local_weights,
+    return MoeKit(ring_s=_ring_s, ramp=_ramp, wgrad_s=_wgrad_accumulation_s, local_weights=_local_weights, linears=_linears,
                   kernel_s=KERNEL_LAUNCH_S, latency_s=COLLECTIVE_LATENCY_S, nvlink_hop_s=NVLINK_HOP_LATENCY_S,
                   network_hop_s=NETWORK_HOP_LATENCY_S)
 
