@@ -130,7 +130,7 @@ def test_only_size_layout_and_listed_te_only_flags_change_on_the_cpu(batch):
         for a in r["argv_adjustments"]:
             seen.add(a["flag"])
             machine = a["flag"] in {"--distributed-backend", "--no-rope-fusion", "--no-persist-layer-norm",
-                                    "--no-masked-softmax-fusion"}
+                                    "--no-masked-softmax-fusion", "--num-workers"}
             assert a["flag"] in size_flags or a["flag"] in TE_ONLY_ON_CPU or machine, a
     # the catalog exercises the TE fallbacks, uneven pipelines and interleaving
     assert {"--transformer-impl", "--moe-grouped-gemm"} <= seen

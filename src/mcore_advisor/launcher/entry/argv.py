@@ -19,7 +19,7 @@ ran (launcher/as_ran.py):
   snapshot).
 
 `shrink` (CI only) turns a full-size argv into a couple of small layers on 1-2 CPU processes: it
-rewrites the size and layout flags only and keeps every other flag.
+rewrites the size and layout flags (and `--num-workers 0`) only and keeps every other flag.
 Pure functions on lists of strings; no torch, no pydantic.
 """
 
@@ -211,6 +211,8 @@ def shrink(argv: Argv, world: int) -> tuple[Argv, list[Adjustment]]:
     small = "CI: small model on CPU processes"
     for flag in TE_ONLY:
         ed.drop(flag, why="CI on CPU: a Transformer Engine feature")
+    ed.put("--num-workers", 0, why="CI on CPU: the data loader runs in the training process (DataLoader workers forked "
+           "from a process that has already run a dozen batch jobs segfaulted, seen at job 13 of the catalog batch)")
     if uses_te(ed.argv):
         ed.put("--transformer-impl", "local", why="CI on CPU: no Transformer Engine")
     if (values(argv, "--multi-latent-attention") is not None and values(argv, "--q-lora-rank") is None
