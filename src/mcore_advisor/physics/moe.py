@@ -138,11 +138,12 @@ def experts(c, kit: MoeKit) -> dict:
     grouped = impl.moe_grouped_gemm
     rate = c.rate * (GROUPED_GEMM_RELATIVE_RATE if grouped else 1.0)
     groups = local if grouped else 1.0
-    fc1, fc2 = kit.linears(c, linear_weights(shape)["expert"], M_e, c.etp, groups, rate)
+    lw = linear_weights(shape)["expert"]
+    fc1, fc2 = kit.linears(c, lw, M_e, c.etp, groups, rate)
     n = 1.0 if grouped else local  # SequentialMLP: one GEMM per local expert, launched in sequence
     act = T_exp * (3.0 if shape.swiglu else 2.0) * fe / c.etp * 2 / c.bw_ew
-    w_exp = local * kit.local_weights(linear_weights(shape)["expert"], c.etp) + h * float(shape.num_experts)
-    acc = kit.wgrad_s(w_exp, len(linear_weights(shape)["expert"]) * local + 1.0, impl, c.bw, c.bw_ew)
+    w_exp = local * kit.local_weights(lw, c.etp) + h * float(shape.num_experts)  # routed experts + router
+    acc = kit.wgrad_s(w_exp, len(lw) * local + 1.0, impl, c.bw, c.bw_ew)
     per_f, per_b = PER_EXPERT_HOST_KERNELS[bool(grouped)]
     return {"gemm_f": n * (fc1[0] + fc2[0]), "gemm_b": n * (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
             "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "kernels": (per_f * local, per_b * local)}

@@ -351,20 +351,24 @@ def _implementation(inp: SearchInputs) -> Implementation:
     return Implementation.of(inp.implementation, fp8_recipe=inp.fp8_recipe)
 
 
-def _model_state_bounds(inp: SearchInputs, shards: list[_Shard]) -> np.ndarray:
-    """GiB of weights + gradients + optimizer state (sharded over DP*CP = world/(TP*PP)) on each
-    shard's most-loaded rank, with the allocator margin and the CUDA context."""
+def _shard_batch(inp: SearchInputs, shards: list[_Shard], cp: np.ndarray | int = 1, **extra) -> LayoutBatch:
+    """One row per shard (its TP, PP, VP, EP, ETP and uneven split), DP = world / (TP*PP*CP)."""
     world = inp.cluster.num_gpus
     col = lambda get: np.asarray([get(x) for x in shards], dtype=np.int64)  # noqa: E731
     tp, pp = col(lambda x: x.tp), col(lambda x: x.pp)
-    batch = LayoutBatch(
-        inp.shape, inp.seq_length, inp.global_batch_size, _implementation(inp), tp=tp, pp=pp,
-        dp=np.maximum(1, world // (tp * pp)), num_gpus=world, ep=col(lambda x: x.ep), etp=col(lambda x: x.etp),
+    return LayoutBatch(
+        inp.shape, inp.seq_length, inp.global_batch_size, _implementation(inp), tp=tp, pp=pp, cp=cp,
+        dp=np.maximum(1, world // (tp * pp * cp)), num_gpus=world, ep=col(lambda x: x.ep), etp=col(lambda x: x.etp),
         vp=col(lambda x: x.vp), use_distributed_optimizer=not inp.implementation.use_torch_fsdp2,
         first_stage_layers=col(lambda x: -1 if x.first is None else x.first),
-        last_stage_layers=col(lambda x: -1 if x.last is None else x.last),
+        last_stage_layers=col(lambda x: -1 if x.last is None else x.last), **extra,
     )
-    return model_state_gib(batch) + CUDA_CONTEXT_GIB
+
+
+def _model_state_bounds(inp: SearchInputs, shards: list[_Shard]) -> np.ndarray:
+    """GiB of weights + gradients + optimizer state (sharded over DP*CP = world/(TP*PP)) on each
+    shard's most-loaded rank, with the allocator margin and the CUDA context."""
+    return model_state_gib(_shard_batch(inp, shards)) + CUDA_CONTEXT_GIB
 
 
 def _rules_base(inp: SearchInputs) -> Ctx:
@@ -405,17 +409,9 @@ def _likeliest_first(inp: SearchInputs, shards: list[tuple[int, _Shard]]) -> lis
     this way, TP1 PP16 with full recompute in enumeration order). The order changes no result."""
     if len(shards) < 2:
         return shards
-    col = lambda get, kind=np.int64: np.asarray([get(sh) for _, sh in shards], dtype=kind)  # noqa: E731
-    tp, pp, cp = col(lambda x: x.tp), col(lambda x: x.pp), col(lambda x: x.cps[0])
-    batch = LayoutBatch(
-        inp.shape, inp.seq_length, inp.global_batch_size, _implementation(inp), tp=tp, pp=pp, cp=cp,
-        dp=np.maximum(1, inp.cluster.num_gpus // (tp * pp * cp)), num_gpus=inp.cluster.num_gpus,
-        ep=col(lambda x: x.ep), etp=col(lambda x: x.etp), vp=col(lambda x: x.vp),
-        sequence_parallel=col(lambda x: x.sps[0], bool), fp8=inp.precisions[0] == "fp8",
-        use_distributed_optimizer=not inp.implementation.use_torch_fsdp2,
-        first_stage_layers=col(lambda x: -1 if x.first is None else x.first),
-        last_stage_layers=col(lambda x: -1 if x.last is None else x.last),
-    )
+    own = [sh for _, sh in shards]
+    batch = _shard_batch(inp, own, cp=np.asarray([sh.cps[0] for sh in own], dtype=np.int64),
+                         sequence_parallel=np.asarray([sh.sps[0] for sh in own], dtype=bool), fp8=inp.precisions[0] == "fp8")
     speed = np.nan_to_num(step_time_arrays(batch, inp.hardware)["tokens_per_s_per_gpu"], nan=-1.0)
     return [shards[i] for i in np.argsort(-speed, kind="stable")]
 
