@@ -46,6 +46,18 @@ NO_DP_OVERLAP = {"use_distributed_optimizer": False, "overlap_grad_reduce": Fals
 RUN = {"warmup_steps": 1, "measure_steps": 3, "profile_steps": (3, 3)}
 
 
+#: the second set (session s5): the same layouts on models whose GPU work per layer and micro-batch
+#: outweighs this VM's host (~10 ms to issue a TE layer's forward + backward, s4's traces), the
+#: regime users train in; more measured iterations against the run-to-run spread of a VM's steps.
+#: Llama-3-8B's layer (GQA 32/8, SwiGLU 14,336), 8 of them; MoE twice s4's width.
+LLAMA_L = {**LLAMA1B, "num_layers": 8, "hidden_size": 4096, "num_attention_heads": 32, "num_query_groups": 8,
+           "ffn_hidden_size": 14336}
+MOE8_L = {**MOE8, "num_layers": 8, "hidden_size": 2048, "ffn_hidden_size": 5632, "moe_ffn_hidden_size": 5632,
+          "moe_shared_expert_intermediate_size": 5632}
+MOE64_L = {**MOE8_L, "num_experts": 64, "moe_router_topk": 8, "moe_ffn_hidden_size": 1408}
+RUN_L = {"warmup_steps": 1, "measure_steps": 6, "profile_steps": (3, 3)}
+
+
 def held_out(name: str) -> bool:
     return zlib.crc32(name.encode()) % 3 == 0
 
@@ -163,12 +175,66 @@ def spec_lines(n: int) -> list[dict]:
     return real + _at_scale_rows() + fake + r2 + r3 + f3 + f2
 
 
+def large_rows(n: int) -> list[tuple[str, Plan]]:
+    """The second set's plans on n GPUs (names L_*): micro-batches sized so each rank's GPU work per
+    layer and micro-batch is about twice or more the ~10 ms this VM's host needs to issue it."""
+    tp, sp = {"tensor_model_parallel_size": n}, {"sequence_parallel": True}
+    pp, cp, ep = {"pipeline_model_parallel_size": n}, {"context_parallel_size": n}, {"expert_model_parallel_size": n}
+    vp = {**pp, "virtual_pipeline_model_parallel_size": 2}
+    m = LLAMA_L
+    grouped = {"moe_grouped_gemm": True}
+    return [
+        (f"L_tp{n}_sp", plan(m, n, seq=4096, gbs=32, mbs=8, par={**tp, **sp})),
+        (f"L_dp{n}_distopt_overlap", plan(m, n, seq=4096, gbs=8 * n, mbs=2)),
+        (f"L_moe8top2_ep{n}_alltoall", plan(MOE8_L, n, seq=4096, gbs=8 * n, mbs=4, par=ep,
+                                            impl={**grouped, "moe_token_dispatcher_type": "alltoall"})),
+        (f"L_pp{n}_vp2", plan(m, n, seq=4096, gbs=16, mbs=2, par=vp)),
+        (f"L_cp{n}_s16k", plan(m, n, seq=16384, gbs=2, par=cp)),
+        (f"L_tp{n}_sp_fp8delayed", plan(m, n, seq=4096, gbs=32, mbs=8, par={**tp, **sp}, train=DELAYED)),
+        (f"L_moe8top2_ep{n}_allgather", plan(MOE8_L, n, seq=4096, gbs=8 * n, mbs=4, par=ep,
+                                             impl={**grouped, "moe_token_dispatcher_type": "allgather"})),
+        (f"L_tp{n}_sp_tpoverlap", plan(m, n, seq=4096, gbs=32, mbs=8, par={**tp, **sp, "tp_comm_overlap": True})),
+        (f"L_moe64top8_ep{n}_alltoall", plan(MOE64_L, n, seq=4096, gbs=8 * n, mbs=4, par=ep,
+                                             impl={**grouped, "moe_token_dispatcher_type": "alltoall"})),
+        (f"L_pp{n}", plan(m, n, seq=4096, gbs=16, mbs=2, par=pp)),
+        (f"L_dp{n}_fp8tensorwise", plan(m, n, seq=4096, gbs=8 * n, mbs=2, train=TENSORWISE)),
+        (f"L_tp{n}", plan(m, n, seq=4096, gbs=32, mbs=8, par=tp)),
+        (f"L_cp{n}_s32k", plan(m, n, seq=32768, gbs=1, par=cp)),
+        (f"L_dp{n}_ddp_nooverlap", plan(m, n, seq=4096, gbs=8 * n, mbs=2, par=NO_DP_OVERLAP)),
+        (f"L_tp{n}_sp_sel_s8k", plan(m, n, seq=8192, gbs=8, mbs=2, par={**tp, **sp, **SEL})),
+        (f"L_moe8top2_tp{n}_sp_ep{n}_etp1", plan(MOE8_L, n, seq=4096, gbs=16, mbs=4, par={
+            **tp, **sp, **ep, "expert_tensor_parallel_size": 1}, impl=grouped)),
+        (f"L_moe8top2_ep{n}_alltoall_fp8delayed", plan(MOE8_L, n, seq=4096, gbs=8 * n, mbs=4, par=ep,
+                                                        train=DELAYED, impl=grouped)),
+        (f"L_pp{n}_vp2_mb16", plan(m, n, seq=4096, gbs=32, mbs=2, par=vp)),
+    ]
+
+
+#: the second set on 2 GPUs (two at a time between the 4-GPU plans)
+LARGE_2GPU = ("L_tp2_sp", "L_cp2_s32k", "L_tp2_sp_fp8delayed", "L_dp2_fp8tensorwise",
+              "L_moe8top2_ep2_alltoall_fp8delayed", "L_moe8top2_tp2_sp_ep2_etp1")
+
+
+def large_spec_lines() -> list[dict]:
+    """The second set on a 4-GPU machine: 4-GPU plans first (the first 15 most wanted), the 2-GPU ones
+    after them, then the rest; no fake rows (s4 compared those)."""
+    four = large_rows(4)
+    two = [r for r in large_rows(2) if r[0] in LARGE_2GPU]
+    out = []
+    for rows, n in ((four[:15], 4), (two, 2), (four[15:], 4)):
+        out += [{"name": name, "group": "multi", "nproc": n, "held_out": held_out(name),
+                 "needs_te": True, "spec": job_spec(p, **RUN_L)} for name, p in rows]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
+    ap.add_argument("--set", choices=("small", "large"), default="small",
+                    help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers)")
     a = ap.parse_args(argv)
-    lines = spec_lines(a.gpus)
+    lines = large_spec_lines() if a.set == "large" else spec_lines(a.gpus)
     Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"wrote {len(lines)} runs ({sum(x['nproc'] == a.gpus for x in lines)} on {a.gpus} GPUs) to {a.out}")
 

@@ -19,7 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=/tmp/site
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/misc"
 HERE=benchmarks/gpu
-SPECS=$HERE/specs_multi.jsonl
+SPECS=${SPECS:-$HERE/specs_multi.jsonl}  # SPECS=benchmarks/gpu/specs_multi_L.jsonl: the second set (configs_multi.py --set large)
 T0=$(date +%s)
 BUDGET=${MULTI_BUDGET_S:-570}
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -45,8 +45,8 @@ rows() {  # every row of $SPECS that no call of this lease started yet, in file 
   todo=$(python3 -c "import json,os,sys; done=set(os.listdir('/tmp/multi_runs')) if os.path.isdir('/tmp/multi_runs') else set(); print(','.join(r['name'] for r in map(json.loads, open(sys.argv[1])) if r['name'] not in done))" $SPECS)
   stamp "rows to run: $todo"
   [ -n "$todo" ] && python3 $HERE/runner.py --out "$OUT/real" --specs $SPECS --names "$todo" --share-multi \
-    --gpus "$(nvidia-smi -L | wc -l)" --deadline-s $(( $(left) - 100 )) --run-timeout-s 90 --work /tmp/multi_runs \
-    --traces tp4_sp,tp4_sp_tpoverlap,moe8top2_ep4_alltoall,moe64top8_ep4_alltoall,dp4_distopt_overlap,pp4_vp2,cp4_s16k
+    --gpus "$(nvidia-smi -L | wc -l)" --deadline-s $(( $(left) - ${RUN_TIMEOUT_S:-90} - 12 )) --run-timeout-s ${RUN_TIMEOUT_S:-90} --work /tmp/multi_runs \
+    --traces ${TRACES:-tp4_sp,tp4_sp_tpoverlap,moe8top2_ep4_alltoall,moe64top8_ep4_alltoall,dp4_distopt_overlap,pp4_vp2,cp4_s16k}
 }
 
 pack() { tar czf "$OUT/misc.tar.gz" -C "$OUT" misc && rm -rf "$OUT/misc"; stamp "done; files: $(cd "$OUT" && find . -type f | tr '\n' ' ')"; }

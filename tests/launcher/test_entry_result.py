@@ -110,7 +110,7 @@ def test_the_entry_writes_the_contracts_keys():
     contract = {k for cls in vars(R).values() if typing.is_typeddict(cls) for k in typing.get_type_hints(cls)}
     written = _written_keys()
     # the per-rank rows gathered before the report (host_s, gc_pause_s, ...) are the entry's own working keys
-    working = {"host_s", "gc_pause_s", "gc_gen2", "iteration_lines", "memory_lines", "timer_lines", "theoretical_lines",
+    working = {"host_s", "gc_pause_s", "gc_gen2", "host_probe", "iteration_lines", "memory_lines", "timer_lines", "theoretical_lines",
                "causal", "full"}
     assert written - contract - working == set(), "add these keys to launcher/entry/result.py"
     assert set(R.ProfileResult.__required_keys__) <= written

@@ -61,6 +61,7 @@ from typing import Any
 # beside Megatron's own causal one.
 import mcore_advisor.physics.anatomy as _anatomy
 from mcore_advisor.launcher.entry import argv as _argv
+from mcore_advisor.launcher.entry import host_probe as _host_probe
 from mcore_advisor.launcher.entry import result as _contract
 from mcore_advisor.launcher.entry import trace as _trace
 from mcore_advisor.launcher.entry import trainlog as _trainlog
@@ -554,6 +555,8 @@ class Job:
         from megatron.training.training import num_floating_point_operations
 
         mem = _memory_mb(self.use_cuda)
+        # After the memory read (the probe's layer must not count) and on every rank at once.
+        probe = _host_probe.measure(self.use_cuda) if self.mode == "profile" else None
         mine = {
             "rank": self.rank,
             "tp_rank": ps.get_tensor_model_parallel_rank(),
@@ -569,6 +572,7 @@ class Job:
             "host_s": hooks.host_s,
             "gc_pause_s": hooks.host.gc_s,
             "gc_gen2": hooks.host.gc_gen2,
+            "host_probe": probe,
             "iteration_lines": capture.iteration_lines,
             "memory_lines": capture.memory_lines,
             "timer_lines": capture.timer_lines,
@@ -721,6 +725,7 @@ class Job:
             "gc_pause_s_per_iteration": [max(r["gc_pause_s"][i] for r in rows) for i in range(n)],
             "gc_gen2_collections_per_iteration": [max(r["gc_gen2"][i] for r in rows) for i in range(n)],
             "gc_source": "Python gc.callbacks inside megatron.training's train_step of each iteration, worst rank",
+            "probe": _host_probe.summary([r.get("host_probe") for r in rows]),
         }
 
 

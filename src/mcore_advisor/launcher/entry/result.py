@@ -42,6 +42,20 @@ class MegatronLines(TypedDict):
     theoretical_memory_lines: list[str]
 
 
+class HostProbe(TypedDict, total=False):
+    ms_per_layer: float
+    """Host milliseconds to issue the reference layer's forward + backward (the slowest local rank)."""
+    cpu_ms_per_layer: float
+    gpu_ms_per_layer: float
+    impl: str
+    tokens: int
+    iterations: int
+    ms_per_layer_per_rank: list[float | None]
+    source: str
+    error: str
+    """Why the probe gave no figure (it never fails the job)."""
+
+
 class HostReport(TypedDict):
     cpu_count: int | None
     cpus_usable: int | None
@@ -52,6 +66,8 @@ class HostReport(TypedDict):
     gc_pause_s_per_iteration: list[float]
     gc_gen2_collections_per_iteration: list[int]
     gc_source: str
+    probe: NotRequired[HostProbe | None]
+    """The host's measured speed (entry/host_probe.py); None on a CPU run."""
 
 
 class Versions(TypedDict):
