@@ -4,7 +4,9 @@ For each row of ../shared/data/published-runs-dev.csv on an 80 GB H100 (the same
 knowledge/data/published_runs.csv, matched by source, model and layout), the plan that
 knowledge.runs.plan_for_run builds is validated (validators.validate: its errors) and its memory
 predicted (physics.memory.memory_breakdown: fits, headroom). A layout that ran is never invalid, so
-every error listed here is a bug in the validators or in the plan the row becomes.
+every error listed here is a bug in the validators or in the plan the row becomes. Settings the row's
+recipe states but its table leaves out (knowledge/data/run_recipes.json, each with its citation) are
+listed under the row.
 
     .venv/bin/python benchmarks/published_layouts_valid.py   # writes benchmarks/results/published_layouts_valid.txt
 """
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 
 from mcore_advisor.knowledge.hardware import gpu
-from mcore_advisor.knowledge.runs import plan_for_run, published_runs
+from mcore_advisor.knowledge.runs import plan_for_run, published_runs, run_recipes
 from mcore_advisor.physics.memory import memory_breakdown
 from mcore_advisor.validators import validate
 
@@ -56,6 +58,9 @@ def _row_lines(run) -> tuple[list[str], str, bool]:
     mem = memory_breakdown(rp.plan)
     lines = [head, f"    memory: {mem.total_gib:.1f} GiB of {mem.capacity_gib:.1f} "
                    f"({'fits' if mem.fits else 'OVER'}, headroom {mem.headroom_gib:+.1f} GiB)"]
+    # what the row's recipe adds to its table (knowledge/data/run_recipes.json), so a reader sees why it fits
+    recipe = {k: v for r in run_recipes() if r.applies(run) for k, v in r.args.items()}
+    lines += [f"    recipe: {', '.join(f'{k}={v}' for k, v in recipe.items())}"] if recipe else []
     lines += [f"    ERROR {f.code}: {f.message}" for f in errors]
     return lines, "rejected" if errors else "valid", mem.fits
 

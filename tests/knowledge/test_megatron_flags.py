@@ -82,6 +82,16 @@ def _variants() -> list[tuple[str, Plan, dict]]:
             implementation={"apply_rope_fusion": False, "bias_activation_fusion": False, "attention_backend": "flash",
                             "cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te",
                             "gradient_accumulation_fusion": False}), {}),
+        # Megatron-FSDP with EP (experts sharded over expert-DP) and the precision-aware optimizer's bf16 moments;
+        # TP 1: Megatron-FSDP asserts CUDA_DEVICE_MAX_CONNECTIONS != 1, which TP > 1 sets before Blackwell.
+        ("mixtral-8x7b_megatron_fsdp_optim_grads_ep8", _plan(
+            "mixtral-8x7b", cluster={"num_gpus": 64},
+            parallelism={"expert_model_parallel_size": 8},
+            implementation={"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads",
+                            "grad_reduce_in_fp32": False}), {}),
+        ("llama3-8b_precision_aware_bf16_moments", _plan(
+            "llama3-8b", implementation={"use_precision_aware_optimizer": True, "exp_avg_dtype": "bf16",
+                                         "exp_avg_sq_dtype": "bf16"}), {}),
         ("llama3-8b_fsdp2", _plan(
             "llama3-8b", parallelism={"use_distributed_optimizer": False, "overlap_param_gather": False},
             implementation={"use_torch_fsdp2": True}), {"apex_installed": True}),

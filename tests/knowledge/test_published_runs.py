@@ -203,5 +203,70 @@ def test_fp8_current_scaling_rows_use_the_tensorwise_recipe():
     assert p.implementation.expandable_segments  # the published run passed only with it
 
 
+def _row(source, model, **match):
+    return next(r for r in published_runs() if r.source == source and r.model == model
+                and all(getattr(r, k) == v for k, v in match.items()))
+
+
+def test_every_recipe_entry_names_a_source_a_model_of_it_and_megatron_arguments():
+    from mcore_advisor.knowledge import megatron_flags
+    from mcore_advisor.knowledge.runs import run_recipes
+
+    keys = {a.key for row in megatron_flags.TABLE for a in row.args}
+    for r in run_recipes():
+        assert r.source in sources() and r.citation and r.mechanism
+        assert r.models == "*" or all(any(run.source == r.source and run.model == m for run in published_runs())
+                                      for m in r.models), r.models
+        assert set(r.args) <= keys, set(r.args) - keys  # each value reaches the plan through the flag table
+
+
+def test_nemo_2407_rows_keep_master_weights_as_remainders_like_apex_distributed_adam():
+    # NeMo 1.x distributed_fused_adam with a bf16 model: store_param_remainders -> Megatron's precision-aware
+    # optimizer with fp32 moments (2 + 4 + 4 B per parameter).
+    p = run_to_plan(_row("NEMO_2407", "LLAMA2-7B"))
+    assert p.implementation.use_precision_aware_optimizer
+    assert (p.implementation.exp_avg_dtype, p.implementation.exp_avg_sq_dtype) == ("fp32", "fp32")
+    assert p.parallelism.recompute_granularity is None  # the row's own 'recompute not published'
+
+
+def test_nemo_gpt3_175b_rows_keep_fp8_primary_weights():
+    for source in ("NEMO_2407", "NEMO_2502_DOCS"):
+        for run in (r for r in published_runs() if r.source == source and r.model == "GPT3-175B"):
+            p = run_to_plan(run)
+            assert p.training.precision == "fp8" and p.training.fp8_param_gather, (source, run.num_gpus)
+    # with fp8_params NeMo stores an fp32 master copy: no remainders
+    assert not run_to_plan(_row("NEMO_2407", "GPT3-175B", num_gpus=128)).implementation.use_precision_aware_optimizer
+
+
+def test_nemotron_340b_row_runs_its_recipes_bf16_moments_and_selective_recompute():
+    rp = plan_for_run(_row("NEMO_2407", "Nemotron-340B"))
+    im = rp.plan.implementation
+    assert im.use_precision_aware_optimizer and (im.exp_avg_dtype, im.exp_avg_sq_dtype) == ("bf16", "bf16")
+    assert rp.plan.parallelism.recompute_granularity == "selective"
+    assert not any(a.startswith("recompute not published") for a in rp.assumptions)
+    assert any("nemotron4-340b-synth.yaml" in a and "differs" in a for a in rp.assumptions)
+
+
+def test_gpt3_20b_row_runs_its_configs_dropout_and_selective_recompute():
+    p = run_to_plan(_row("NEMO_2407", "GPT3-20B"))
+    assert (p.training.hidden_dropout, p.training.attention_dropout) == (0.1, 0.1)
+    assert p.parallelism.recompute_granularity == "selective"
+    # the other sources keep the plan's dropout 0
+    assert run_to_plan(_row("NEMO_2407", "LLAMA2-7B")).training.hidden_dropout == 0.0
+
+
+def test_qwen3_megatron_fsdp_row_builds_a_megatron_fsdp_plan():
+    from mcore_advisor.validators import errors, validate
+
+    run = next(r for r in published_runs() if r.source == "MOE_MODELZOO_QWEN3" and "megatron-fsdp on" in r.notes.lower())
+    rp = plan_for_run(run)
+    im = rp.plan.implementation
+    assert im.use_megatron_fsdp and not im.use_torch_fsdp2
+    assert im.data_parallel_sharding_strategy == "optim_grads_params"  # Megatron's default: not published
+    assert any("sharding strategy not published" in a for a in rp.assumptions)
+    assert rp.plan.parallelism.expert_model_parallel_size == 8
+    assert errors(validate(rp.plan)) == []
+
+
 def test_loaders_are_cached():
     assert published_runs() is published_runs()

@@ -65,3 +65,20 @@ def test_a_memory_at_scale_job_is_compared_with_the_stage_it_measured_term_by_te
     assert "rank 16 (pipeline stage 1" in note
     figures, terms, _ = jobs._at_scale_prediction(plan.model_dump(mode="json"), result)
     assert figures.peak_allocated_gib == pytest.approx(peak) and terms == rows
+
+
+def test_the_jobs_host_probe_sets_the_host_speed_it_predicts_with():
+    from mcore_advisor.physics.step_time import HOST_PROBE_TO_LAYER
+
+    probe = {"ms_per_layer": 8.0, "impl": "transformer_engine"}
+    ran = as_ran(PLAN, {**AS_RENDERED, "host": {"probe": probe}})
+    assert ran.plan.cluster.host_floor_ms_per_layer == pytest.approx(8.0 * HOST_PROBE_TO_LAYER)
+    assert any(d.startswith("host_floor_ms_per_layer") and "8.00 ms per TE layer" in d for d in ran.differences)
+    # a slower host can only lengthen the predicted step
+    fast = as_ran(PLAN, {**AS_RENDERED, "host": {"probe": {**probe, "ms_per_layer": 1.0}}}).plan
+    assert step_time(ran.plan).iteration_time_s > step_time(fast).iteration_time_s
+    # a plan that names its host, a torch-only probe or a failed probe keeps the plan's own figure
+    pinned = with_changes(PLAN, "cluster", host_floor_ms_per_layer=3.0)
+    assert as_ran(pinned, {**AS_RENDERED, "host": {"probe": probe}}).plan.cluster.host_floor_ms_per_layer == 3.0
+    for other in ({**probe, "impl": "torch"}, {"error": "RuntimeError: no TE"}):
+        assert as_ran(PLAN, {**AS_RENDERED, "host": {"probe": other}}).plan.cluster.host_floor_ms_per_layer is None

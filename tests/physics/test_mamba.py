@@ -185,8 +185,8 @@ def test_the_search_prices_a_hybrid_exactly_as_memory_and_step_time(pp):
                  training=TrainingSpec(seq_length=4096, global_batch_size=32, micro_batch_size=int(out.mbs[i])),
                  parallelism=ParallelismSpec(
                      tensor_model_parallel_size=lo.tp, pipeline_model_parallel_size=lo.pp,
-                     decoder_first_pipeline_num_layers=lo.first, decoder_last_pipeline_num_layers=lo.last,
-                     context_parallel_size=lo.cp, sequence_parallel=lo.sp,
+                     decoder_first_pipeline_num_layers=lo.split.first, decoder_last_pipeline_num_layers=lo.split.last,
+                     context_parallel_size=lo.cp, sequence_parallel=lo.sp, tp_comm_overlap=lo.tp_overlap,
                      use_distributed_optimizer=bool(out.dist_opt[i]), overlap_param_gather=bool(out.dist_opt[i]),
                      recompute_granularity=[None, "selective", "full", "full"][rc],
                      recompute_method=[None, None, "block", "uniform"][rc],

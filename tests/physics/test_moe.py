@@ -43,25 +43,84 @@ def test_the_aux_loss_adds_its_score_bytes_to_the_router():
     aux = moe.router(_ctx(_plan({**MOE8, "moe_aux_loss_coeff": 1e-2}))[0], kit)
     ratio = (moe.ROUTER_BYTES_PER_SCORE + moe.AUX_LOSS_BYTES_PER_SCORE) / moe.ROUTER_BYTES_PER_SCORE
     assert float(aux["ew_f"][0] / plain["ew_f"][0]) == pytest.approx(ratio)
-    assert aux["kernels"] == (13.0, 26.0)  # 9 + 4 forward, 18 + 8 backward
+    assert aux["kernels"] == (pytest.approx(7.3), pytest.approx(16.0))  # router 3.3 + 4 forward, 8 + 8 backward
+
+
+# Host launches of the one-GPU MoE8 layer (TE, bf16, EP 1, 8 local experts, no shared expert), by hand:
+# the dense layer launches 16 forward (4 GEMMs + 2 attention + 10 others) and 34 backward (8 GEMMs + 4
+# attention + 22 others; wgrad fusion on, no separate adds); the MoE layer keeps 73% / 59% of them plus the
+# pre-MLP norm's 1.7 / 3.3.
+ATTN_PART = (0.73 * 16 + 1.7, 0.59 * 34 + 3.3)
+EXPERTS_8 = (9.3 + 8 * 0.9, 23.5 + 8 * 4.6)  # two GroupedLinear calls + activation, then per local expert
 
 
 def test_host_launches_of_a_te_grouped_moe_layer_counted_part_by_part():
     c, L = _ctx(_plan())
+    assert (float(L.dense["kernels_f"][0]), float(L.dense["kernels_b"][0])) == (16.0, 34.0)
     kf, kb = moe.host_kernels(c, L, moe.moe_parts(c, stm._moe_kit()))
-    # attention half of the dense layer's launches (forward 4 GEMMs + 2 attention + 10 others = 16; backward
-    # 8 GEMMs + 4 attention + 22 others = 34, wgrad fusion on: no separate adds), router 9/18, unfused
-    # permute 12/24, 8 local experts x (0, 6) through TE's GroupedLinear
-    assert float(kf[0]) == pytest.approx(0.5 * 16 + 9 + 12)
-    assert float(kb[0]) == pytest.approx(0.5 * 34 + 18 + 24 + 8 * 6)
+    # attention part, router 3.3 / 8, unfused permute 5 / 6, the alltoall dispatcher's always-made work
+    # 5.1 / 12.9 (no EP peers: no collectives), the grouped experts
+    assert float(kf[0]) == pytest.approx(ATTN_PART[0] + 3.3 + 5.0 + 5.1 + EXPERTS_8[0])
+    assert float(kb[0]) == pytest.approx(ATTN_PART[1] + 8.0 + 6.0 + 12.9 + EXPERTS_8[1])
+
+
+def test_dispatcher_collectives_cost_host_time_only_with_expert_parallel_peers():
+    kit, par = stm._moe_kit(), {"expert_model_parallel_size": 8}
+    c1, L1 = _ctx(_plan())
+    c8, L8 = _ctx(_plan(gpus=8, par=par))
+    one = moe.host_kernels(c1, L1, moe.moe_parts(c1, kit))
+    eight = moe.host_kernels(c8, L8, moe.moe_parts(c8, kit))
+    # EP 8: one local expert instead of 8 (7 fewer per-expert shares), plus the all-to-alls, the counts'
+    # all-gather and the split bookkeeping (8.9 forward, 9.1 backward)
+    assert float(eight[0][0] - one[0][0]) == pytest.approx(8.9 - 7 * 0.9)
+    assert float(eight[1][0] - one[1][0]) == pytest.approx(9.1 - 7 * 4.6)
+
+
+def test_a_shared_expert_launches_what_a_dense_mlp_does():
+    kit = stm._moe_kit()
+    c, L = _ctx(_plan())
+    cs, Ls = _ctx(_plan({**MOE8, "moe_shared_expert_intermediate_size": 2816}))
+    plain = moe.host_kernels(c, L, moe.moe_parts(c, kit))
+    shared = moe.host_kernels(cs, Ls, moe.moe_parts(cs, kit))
+    assert float(shared[0][0] - plain[0][0]) == pytest.approx(0.27 * 16)
+    assert float(shared[1][0] - plain[1][0]) == pytest.approx(0.41 * 34)
 
 
 def test_cuda_graphs_of_router_and_preprocess_replace_their_launches_by_one_each():
     graphs = {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router", "moe_preprocess"]}
     c, L = _ctx(_plan(impl=graphs))
     kf, kb = moe.host_kernels(c, L, moe.moe_parts(c, stm._moe_kit()))
-    assert float(kf[0]) == pytest.approx(0.5 * 16 + 1 + 1)
-    assert float(kb[0]) == pytest.approx(0.5 * 34 + 1 + 1 + 8 * 6)
+    assert float(kf[0]) == pytest.approx(ATTN_PART[0] + 1 + 1 + EXPERTS_8[0])
+    assert float(kb[0]) == pytest.approx(ATTN_PART[1] + 1 + 1 + EXPERTS_8[1])
+
+
+@pytest.mark.parametrize(("dispatcher", "graphs", "syncs"), [
+    ("alltoall", {}, 1.0), ("allgather", {}, 2.0), ("flex", {}, 1.0),
+    ("alltoall", {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["moe_router", "moe_preprocess"]}, 1.0),
+    ("alltoall", {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe"]}, 0.0),
+])
+def test_host_syncs_per_moe_layer_follow_the_dispatcher(dispatcher, graphs, syncs):
+    c, _ = _ctx(_plan(impl={"moe_token_dispatcher_type": dispatcher, **graphs}))
+    assert moe.host_syncs_per_layer(c.impl) == syncs
+
+
+def test_the_launches_after_the_dispatcher_sync_cannot_hide_behind_earlier_work():
+    par = {"expert_model_parallel_size": 8}
+    c, L = _ctx(_plan(gpus=8, par=par))
+    parts = moe.moe_parts(c, stm._moe_kit())
+    # half of the always-made dispatcher work and permute (5.1 + 5), the collectives 8.9, one local
+    # expert's grouped GEMMs 9.3 + 0.9
+    post = 0.5 * (5.1 + 5.0) + 8.9 + 9.3 + 0.9
+    assert float(moe.post_sync_kernels_f(c, parts)[0]) == pytest.approx(post)
+    lay = moe.moe_layer(c, L, stm._moe_kit())
+    ex, pm = parts["experts"], parts["permute"]
+    gpu_post = ex["gemm_f"] + ex["ew_f"] + pm["ew_f"] + parts["dispatch"]["f"]
+    expected = max(0.0, float((c.host_f * post - gpu_post)[0]))
+    assert c.host_f > 0 and float(lay["sync_wait_f"][0]) == pytest.approx(expected)
+    assert float(lay["moe_parts"]["host_wait"][0]) >= expected
+    # without a host floor (a host that never binds) nothing waits
+    cf, Lf = _ctx(with_changes(_plan(gpus=8, par=par), "cluster", host_floor_ms_per_layer=0))
+    assert float(moe.moe_layer(cf, Lf, stm._moe_kit())["sync_wait_f"][0]) == 0.0
 
 
 def test_graphs_shorten_a_host_bound_moe_step_and_leave_gpu_work_alone():

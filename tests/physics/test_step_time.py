@@ -433,21 +433,24 @@ def _ctx(plan: Plan):
 
 
 def test_userbuffers_leave_only_the_pipelined_reduce_scatter_tail_when_the_gemms_are_longer():
-    # TE initialize_ub defaults: ring-exchange gathers (copy engines, no SM tax), the forward reduce-scatter
-    # in 4 pipelined splits (the last one exposed), bulk re-gather / reduce-scatter beside dgrad / wgrad
-    # holding 16 of 132 SMs. With every GEMM far longer than its collective, hand-derived:
+    # TE initialize_ub defaults: ring-exchange gathers, the forward reduce-scatter in 4 pipelined splits (the
+    # last one exposed), bulk re-gather / reduce-scatter beside dgrad / wgrad. With every GEMM far longer than
+    # its collective, hand-derived:
     c = _ctx(_plan("llama3-70b", num_gpus=8, precision="fp8", tensor_model_parallel_size=8,
                    sequence_parallel=True, tp_comm_overlap=True))
     tc = perf._TpComm(c)
-    ag, ag_ub, sm = float(tc.ag[0]), float(tc.ag_ub[0]), 16 / 132
+    ag, ag_ub = float(tc.ag[0]), float(tc.ag_ub[0])
     # FP8 all-gather buffers: half the bytes of the bf16 activation [4096 tokens, 8192]
     S = 4096 * 8192 * 2
     assert ag == pytest.approx(ring_collective_s(S, 8, 306.0, "all_gather"), rel=1e-9)
     assert ag_ub == pytest.approx(ring_collective_s(S / 2, 8, 306.0, "all_gather"), rel=1e-9)
     big = 1.0
     fwd, bwd = tc.userbuffers(big, big, big, big, big, 1.0)
-    assert float(fwd[0]) == pytest.approx(ag / 4 + sm * 0.75 * ag, rel=1e-9)
-    assert float(bwd[0]) == pytest.approx(sm * ag_ub + sm * ag, rel=1e-9)
+    # the collectives hide; the five GEMMs beside them (column fwd, row fwd, row dgrad, column dgrad and
+    # wgrad) stretch by UB_GEMM_STRETCH (their split and the SMs the userbuffers kernels hold)
+    stretch = perf.UB_GEMM_STRETCH - 1.0
+    assert float(fwd[0]) == pytest.approx(ag / 4 + 2 * stretch * big, rel=1e-9)
+    assert float(bwd[0]) == pytest.approx(3 * stretch * big, rel=1e-9)
     # GEMMs shorter than the collectives expose the difference
     fwd0, _ = tc.userbuffers(0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
     assert float(fwd0[0]) == pytest.approx(ag_ub + ag, rel=1e-9)
@@ -455,14 +458,15 @@ def test_userbuffers_leave_only_the_pipelined_reduce_scatter_tail_when_the_gemms
 
 def test_tp_comm_overlap_hides_most_tp_traffic_of_a_tp8_fp8_layout():
     # Llama-3.1-405B on 1,024 H100 as NeMo's recipe runs it (TP8 PP8 CP2 VP8, FP8, tp_comm_overlap):
-    # overlapped, the TP term is a third of the unoverlapped one or less, and the step 10-25% shorter.
+    # overlapped, the TP term (the exposed tails plus the stretched GEMMs) is below the unoverlapped one, and
+    # the step 3-15% shorter.
     par = dict(tensor_model_parallel_size=8, pipeline_model_parallel_size=8, context_parallel_size=2,
                virtual_pipeline_model_parallel_size=8, sequence_parallel=True,
                account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
     kw = dict(num_gpus=1024, s=8192, gbs=512, precision="fp8", impl={"grad_reduce_in_fp32": False})
     off, on = step_time(_plan("llama3.1-405b", **kw, **par)), step_time(_plan("llama3.1-405b", **kw, **par, tp_comm_overlap=True))
-    assert on.breakdown.tp_comm_exposed_s < 0.4 * off.breakdown.tp_comm_exposed_s
-    assert 0.75 < on.iteration_time_s / off.iteration_time_s < 0.92
+    assert on.breakdown.tp_comm_exposed_s < 0.8 * off.breakdown.tp_comm_exposed_s
+    assert 0.85 < on.iteration_time_s / off.iteration_time_s < 0.97
 
 
 def test_network_collectives_ramp_up_at_the_nvlink_start_up_time_scaled_to_their_rate():

@@ -19,7 +19,9 @@ from mcore_advisor.planning.recommend import (
     recommend_parallelism,
     request_from_options,
 )
-from mcore_advisor.schemas import ClusterSpec, ImplementationSpec, ModelSpec
+from mcore_advisor.rendering.render import render_launch_script
+from mcore_advisor.rendering.request import RenderRequest
+from mcore_advisor.schemas import ClusterSpec, ImplementationSpec, ModelSpec, with_changes
 from mcore_advisor.validators import errors, validate
 
 
@@ -202,6 +204,58 @@ def test_405b_on_256_gpus_uses_an_uneven_pipeline_split_that_validates():
     par = rec.plans[0].plan.parallelism
     assert par.pipeline_model_parallel_size > 2 and par.decoder_first_pipeline_num_layers is not None
     assert any("uneven pipeline split" in n for n in rec.notes)
+
+
+# Megatron-Bridge's Llama-3.1-405B H100 performance row (docs/performance-summary.md, 25.09: 1,024 GPUs, GBS 512,
+# seq 8192, TP8 PP8 CP2 VP8, 302 tokens/s/GPU measured) as its scripts run it: FP8 current scaling with FP8
+# parameter gather (LLAMA31_405B_PRETRAIN_CONFIG_H100_FP8_CS_V1), bf16 gradient reduction, userbuffers TP
+# overlap, NaN checks off (scripts/performance/utils/overrides.py _set_common_perf_overrides).
+_BRIDGE_405B = dict(precision="fp8", fp8_recipe="tensorwise", fp8_param_gather=True,
+                    implementation=ImplementationSpec(grad_reduce_in_fp32=False, check_for_nan_in_loss_and_grad=False))
+
+
+def test_405b_on_1024_h100_ranks_the_recipes_tp8_pp8_interleaved_cp2_with_tp_overlap_in_its_top_3():
+    req = _req("llama3.1-405b", 1024, 8192, 512, top_k=3, **_BRIDGE_405B)
+    rec = recommend_parallelism(req)
+    _assert_sound(rec, req)
+    recipe = [p for p in rec.plans if (p.plan.parallelism.tensor_model_parallel_size, p.plan.parallelism.pipeline_model_parallel_size,
+                                       p.plan.parallelism.context_parallel_size) == (8, 8, 2)]
+    assert len(recipe) == 1, [p.layout for p in rec.plans]
+    par = recipe[0].plan.parallelism
+    # TP8's collectives are worth hiding despite the stretched GEMMs (UB_GEMM_STRETCH); each plan says which it assumes
+    assert par.tp_comm_overlap
+    assert (rec.plans[0].plan.parallelism.tp_comm_overlap
+            == any(line.startswith("assumes TP communication overlap") for line in rec.explanation))
+    # 126 layers interleave on PP8 only as 128 slots: the embedding and the loss counted as layers
+    assert par.virtual_pipeline_model_parallel_size in (2, 4, 8, 16)
+    assert par.account_for_embedding_in_pipeline_split and par.account_for_loss_in_pipeline_split
+    # without the overlap the same plan is slower (its TP/SP collectives run exposed)
+    off = step_time(with_changes(recipe[0].plan, "parallelism", tp_comm_overlap=False))
+    assert off.tokens_per_s_per_gpu < recipe[0].tokens_per_s_per_gpu
+    assert off.breakdown.tp_comm_exposed_s > recipe[0].evaluation.performance.breakdown.tp_comm_exposed_s
+    # the rendered Megatron-LM arguments carry both
+    args = render_launch_script(RenderRequest(plan=recipe[0].plan, launcher="slurm")).megatron_args
+    assert {"--tp-comm-overlap", "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"} <= set(args)
+
+
+def test_every_plan_of_overlapped_and_embedding_loss_split_searches_passes_the_validators():
+    for req in (_req("llama3.1-405b", 256, 8192, 256, top_k=8, what_if=True, **_BRIDGE_405B),
+                _req("qwen3-30b-a3b", 64, 4096, 256, top_k=8),
+                _req("llama3-70b", 64, 8192, 128, top_k=8, gpu="h200")):
+        rec = recommend_parallelism(req)
+        _assert_sound(rec, req)
+        for p in rec.plans:
+            assert not [f for f in validate(p.plan) if f.severity == "error"], p.layout
+
+
+def test_tp_overlap_can_be_refused_and_fp8_param_gather_needs_fp8_and_the_distributed_optimizer():
+    rec = recommend_parallelism(_req("llama3-70b", 64, 8192, 128, allow_tp_comm_overlap=False))
+    assert rec.plans and not any(p.plan.parallelism.tp_comm_overlap for p in rec.plans)
+    assert not any(line.startswith("assumes TP communication overlap") for line in rec.explanation)
+    with pytest.raises(ValueError, match="fp8_param_gather applies to FP8 plans"):
+        _req(fp8_param_gather=True)
+    with pytest.raises(ValueError, match="fp8_param_gather needs the distributed optimizer"):
+        _req(precision="fp8", fp8_param_gather=True, fixed=FixedParallelism(use_distributed_optimizer=False))
 
 
 # ---- nothing fits --------------------------------------------------------------------------

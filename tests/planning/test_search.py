@@ -5,6 +5,7 @@ FSDP2 is searched, and its counts add up."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,8 +24,10 @@ from mcore_advisor.planning.search import (
     RC_SELECTIVE,
     Fixed,
     SearchInputs,
+    StageSplit,
+    chunk_layers,
+    pipeline_splits,
     search,
-    uneven_splits,
 )
 from mcore_advisor.schemas import (
     ClusterSpec,
@@ -40,12 +43,12 @@ SMALL_GPT = dict(num_layers=12, hidden_size=1024, num_attention_heads=16, ffn_hi
 
 
 def _inputs(model: ModelSpec, n: int, seq: int, gbs: int, *, g: str = "h100-sxm", impl=None, prec=("bf16",),
-            fixed: Fixed | None = None, headroom=0.0, capacity=None) -> SearchInputs:
-    cl = ClusterSpec(gpu=g, num_gpus=n)
+            fixed: Fixed | None = None, headroom=0.0, capacity=None, gpn=None, **extra) -> SearchInputs:
+    cl = ClusterSpec(gpu=g, num_gpus=n, gpus_per_node=gpn)
     return SearchInputs(
         shape=resolve_model(model), gpu=gpu(g), hardware=hardware_params(cl), cluster=cl, seq_length=seq,
         global_batch_size=gbs, precisions=prec, implementation=impl or ImplementationSpec(),
-        capacity_gib=capacity or gpu(g).hbm_capacity_gib, required_headroom_gib=headroom, fixed=fixed or Fixed(),
+        capacity_gib=capacity or gpu(g).hbm_capacity_gib, required_headroom_gib=headroom, fixed=fixed or Fixed(), **extra,
     )
 
 
@@ -56,11 +59,14 @@ def _plan(inp: SearchInputs, model: ModelSpec, out, i: int) -> Plan:
     return Plan(
         model=model, cluster=inp.cluster,
         training=TrainingSpec(seq_length=inp.seq_length, global_batch_size=inp.global_batch_size,
-                              micro_batch_size=int(out.mbs[i]), precision=lo.precision),
+                              micro_batch_size=int(out.mbs[i]), precision=lo.precision, fp8_recipe=inp.fp8_recipe,
+                              fp8_param_gather=inp.fp8_param_gather and lo.precision == "fp8"),
         parallelism=ParallelismSpec(
             tensor_model_parallel_size=lo.tp, pipeline_model_parallel_size=lo.pp,
             virtual_pipeline_model_parallel_size=lo.vp if lo.vp > 1 else None,
-            decoder_first_pipeline_num_layers=lo.first, decoder_last_pipeline_num_layers=lo.last,
+            decoder_first_pipeline_num_layers=lo.split.first, decoder_last_pipeline_num_layers=lo.split.last,
+            account_for_embedding_in_pipeline_split=lo.split.embedding, account_for_loss_in_pipeline_split=lo.split.loss,
+            tp_comm_overlap=lo.tp_overlap,
             context_parallel_size=lo.cp, expert_model_parallel_size=lo.ep, expert_tensor_parallel_size=lo.etp,
             sequence_parallel=lo.sp, use_distributed_optimizer=dist, overlap_param_gather=dist,
             recompute_granularity=[None, "selective", "full", "full"][rc],
@@ -87,6 +93,9 @@ REPLICA_CASES = [
     ("pinned-block-3-no-distopt", ModelSpec(name="llama3-8b"), 8, 4096, 64, "h100-sxm", None, ("bf16",),
      Fixed(pp=4, recompute="full", recompute_method="block", recompute_num_layers=3, dist_opt=False)),
     ("uneven-405b", ModelSpec(name="llama3.1-405b"), 256, 8192, 256, "h100-sxm", None, ("bf16",), Fixed(pp=16)),
+    # 126 layers as 128 slots on PP8, interleaved (VP 2-16), FP8 with TP overlap
+    ("account-vp-overlap-405b", ModelSpec(name="llama3.1-405b"), 512, 8192, 256, "h100-sxm",
+     ImplementationSpec(grad_reduce_in_fp32=False), ("fp8",), Fixed(tp=8, pp=8)),
 ]
 
 
@@ -149,11 +158,109 @@ def test_recomputing_never_runs_faster_than_not_recomputing():
     assert np.all(sel >= none) and np.all(full >= none)
 
 
-def test_uneven_splits_for_405b_on_pp16_are_7_8x14_7_and_a_vp2_split():
-    # 126 = 7 + 14 x 8 + 7 (Llama-3.1-405B on PP16); interleaving needs every stage even: 6 + 14 x 8 + 8.
-    assert uneven_splits(126, 16) == [(7, 7, (1,)), (6, 8, (2,))]
-    # PP2 with an odd layer count puts the extra layer on the last stage.
-    assert uneven_splits(61, 2) == [(30, None, (1,))]
+def test_each_vp_is_searched_under_the_most_balanced_split_megatron_builds_with_it():
+    # Llama-3.1-405B on PP16: 126 = 7 + 14 x 8 + 7 (decoder_first/last 7), which interleaves over no VP (gcd 7, 8 = 1);
+    # counting the embedding and the loss as layers gives 128 slots = 8 per stage, the same 7 + 14 x 8 + 7
+    # layers, over VP 2, 4 or 8 (the 6 + 14 x 8 + 8 split's VP2 is no longer needed).
+    emb_loss = StageSplit(embedding=True, loss=True)
+    assert pipeline_splits(126, 16) == [(StageSplit(7, 7), (1,)), (emb_loss, (2, 4, 8))]
+    # PP8: 16 slots per stage, VP 2-16 (the NeMo/Megatron-Bridge recipe's TP8 PP8 VP8 CP2)
+    assert pipeline_splits(126, 8) == [(StageSplit(15, 15), (1,)), (emb_loss, (2, 4, 8, 16))]
+    # PP2 with an odd layer count: 30 + 31 layers, or 31 + 30 with the loss as the 62nd slot (VP 31)
+    assert pipeline_splits(61, 2) == [(StageSplit(30, None), (1,)), (StageSplit(loss=True), (31,))]
+    # 80 layers divide by PP4; 81 and 82 slots do not: only the even split
+    assert pipeline_splits(80, 4) == [(StageSplit(), (1, 2, 4, 5, 10, 20))]
+
+
+def test_chunks_are_the_stage_slots_over_vp_less_the_embedding_and_the_loss():
+    # 128 slots on PP8 VP8: 2 layers per chunk, 1 in the first chunk of stage 0 and the last chunk of stage 7.
+    assert chunk_layers(126, 8, 8, StageSplit(embedding=True, loss=True)) == (1, 2)
+    # Qwen3-235B's 94 layers on PP32 VP3 (Megatron's MoE model zoo): 96 slots, 1 per chunk, the ends' empty.
+    assert chunk_layers(94, 32, 3, StageSplit(embedding=True, loss=True)) == (0, 1)
+    assert chunk_layers(126, 16, 1, StageSplit(7, 7)) == (7, 8)
+    assert chunk_layers(80, 4, 5, StageSplit()) == (4,)
+
+
+def test_searched_embedding_loss_splits_are_the_validators_and_tile_uniform_recompute():
+    inp = _inputs(ModelSpec(name="llama3.1-405b"), 512, 8192, 256, fixed=Fixed(tp=8, pp=8, cp=1, mbs=1),
+                  prec=("fp8",), fp8_param_gather=True, impl=ImplementationSpec(grad_reduce_in_fp32=False))
+    out = search(inp)
+    assert {lo.vp for lo in out.layouts if lo.split.embedding and lo.split.loss} == {2, 4, 8, 16}
+    for i in range(len(out.mbs)):
+        assert not errors(validate(_plan(inp, ModelSpec(name="llama3.1-405b"), out, i))), out.layouts[int(out.layout[i])]
+    # Uniform groups must tile every chunk: 16 slots over VP v leave chunks of 16/v - 1 and 16/v layers,
+    # coprime, so only groups of 1 (Megatron's _checkpointed_forward indexes past a shorter chunk otherwise).
+    def uniform(n):
+        return search(replace(inp, fixed=replace(inp.fixed, recompute="full", recompute_method="uniform",
+                                                 recompute_num_layers=n)))
+
+    ones = uniform(1)
+    assert {ones.layouts[int(j)].vp for j in ones.layout} >= {2, 4, 8}
+    assert len(uniform(2).mbs) == 0  # 15 + 6 x 16 + 15 without the split (VP1) has odd stages too
+
+
+def test_the_moe_model_zoos_qwen3_pp32_vp3_is_searchable_as_96_slots():
+    # Megatron's MoE model zoo: Qwen3-235B-A22B (94 layers) on 256 H100 as TP2 PP32 VP3 EP8 (+ embedding + loss).
+    model = ModelSpec(name="qwen3-235b-a22b")
+    inp = _inputs(model, 256, 4096, 2048, fixed=Fixed(tp=2, pp=32, vp=3, ep=8, etp=1, cp=1, mbs=1), capacity=200.0)
+    out = search(inp)
+    assert out.layouts and all(lo.split == StageSplit(embedding=True, loss=True) and lo.vp == 3 for lo in out.layouts)
+    plan = _plan(inp, model, out, 0)
+    assert not errors(validate(plan))
+    assert memory_breakdown(plan).total_gib == pytest.approx(float(out.memory_total_gib[0]), rel=1e-9)
+
+
+def test_hybrid_models_are_not_given_the_embedding_loss_split():
+    # Megatron-LM validate_args: --account-for-*-in-pipeline-split should not be used with --hybrid-layer-pattern.
+    out = search(_inputs(ModelSpec(name="nemotron-h-8b"), 64, 4096, 128))
+    assert out.layouts and not any(lo.split.embedding or lo.split.loss for lo in out.layouts)
+    assert "account_for_split_with_hybrid_pattern" not in out.stats.layouts_rejected_by_rule
+
+
+def test_tp_overlap_is_tried_exactly_where_megatron_and_te_can_run_it():
+    # TE userbuffers: sequence parallel (so TP > 1), Transformer Engine, the TP group inside one node.
+    inp = _inputs(ModelSpec(name="llama3-8b"), 16, 4096, 64, gpn=4)
+    out = search(inp)
+    assert {lo.tp for lo in out.layouts} >= {1, 2, 4, 8}
+    for lo in out.layouts:
+        assert not lo.tp_overlap or (lo.sp and lo.tp in (2, 4)), lo
+    assert {lo.tp_overlap for lo in out.layouts if lo.sp and lo.tp in (2, 4)} == {True, False}
+    assert not any(lo.tp_overlap for lo in search(_inputs(ModelSpec(name="llama3-8b"), 16, 4096, 64, gpn=4,
+                                                           tp_comm_overlap=False)).layouts)
+    local = ImplementationSpec(transformer_impl="local", attention_backend="local")
+    assert not any(lo.tp_overlap for lo in search(_inputs(ModelSpec(name="llama3-8b"), 16, 4096, 64, impl=local)).layouts)
+
+
+def test_tp_overlap_trades_exposed_collectives_for_slower_gemms_and_changes_no_memory():
+    # Why the search times each layout with and without --tp-comm-overlap (planning/search.py _overlap_options).
+    from mcore_advisor.knowledge.hardware import gpu_catalog
+    from mcore_advisor.physics.memory import memory_arrays
+    from mcore_advisor.physics.step_time import UB_GEMM_STRETCH
+
+    shape = resolve_model(ModelSpec(name="llama3-70b"))
+    tp, cp, mbs, fp8 = (x.ravel() for x in np.meshgrid([2, 4, 8], [1, 2], [1, 4], [False, True], indexing="ij"))
+    kw = dict(tp=tp, pp=4, cp=cp, dp=256 // (tp * 4 * cp), micro_batch_size=mbs, fp8=fp8, sequence_parallel=True)
+    for key in gpu_catalog():
+        hw = hardware_params(ClusterSpec(gpu=key, num_gpus=256))
+        on, off = (LayoutBatch(shape, 8192, 512, tp_comm_overlap=v, **kw) for v in (True, False))
+        t_on, t_off = step_time_arrays(on, hw), step_time_arrays(off, hw)
+        # at worst every GEMM-bound part of the step stretched; where TP traffic is large the overlap wins
+        assert np.all(t_on["iteration_time_s"] <= t_off["iteration_time_s"] * UB_GEMM_STRETCH), key
+        if key in ("h100-sxm", "h200"):  # TP8's traffic on Hopper: the overlap wins (A100's slower GEMMs hide less)
+            assert np.any(t_on["iteration_time_s"] < t_off["iteration_time_s"]), key
+        assert np.array_equal(memory_arrays(on).total_gib, memory_arrays(off).total_gib), key
+
+
+def test_the_search_times_each_overlap_capable_layout_with_and_without_the_overlap():
+    out = search(_inputs(ModelSpec(name="llama3-70b"), 64, 8192, 128))
+    pairs = {}
+    for i in range(len(out.mbs)):
+        lo = out.layouts[int(out.layout[i])]
+        key = (lo.tp, lo.pp, lo.vp, lo.split, lo.cp, lo.precision, int(out.mbs[i]), int(out.recompute[i]))
+        pairs.setdefault(key, {})[lo.tp_overlap] = float(out.iteration_time_s[i])
+    both = [v for v in pairs.values() if len(v) == 2]
+    assert both and all(k[0] > 1 for k, v in pairs.items() if True in v)
+    assert any(v[True] < v[False] for v in both) or any(v[True] > v[False] for v in both)
 
 
 def test_layout_and_candidate_counts_add_up():

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 import re
+
+import pytest
 
 from mcore_advisor.validators import validate
 
@@ -205,3 +209,84 @@ def test_fused_te_cross_entropy_is_refused_as_megatron_lm_refuses_it(kit):
     assert f and f[0].severity == "error" and "native" in f[0].fix
     ok = kit.plan(implementation={"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "native"})
     assert "te_cross_entropy_fusion_refused_by_megatron" not in {x.code for x in validate(ok)}
+
+
+# ---- Megatron-FSDP and the precision-aware optimizer ------------------------------------------
+
+
+def _megatron_source(relpath: str) -> str:
+    """A Megatron-LM source file's text (read, not imported), or the test skips without megatron-core."""
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("megatron-core is not installed (the job extra)")
+    return (pathlib.Path(next(iter(spec.submodule_search_locations))) / relpath).read_text()
+
+
+def test_megatron_fsdp_with_torch_fsdp2_is_an_error_with_megatrons_message(kit):
+    p = kit.plan(implementation={"use_torch_fsdp2": True, "use_megatron_fsdp": True},
+                 parallelism={"pipeline_model_parallel_size": 1})
+    f = kit.one(p, "megatron_fsdp_with_torch_fsdp2")
+    assert f.severity == "error" and f.fields == ["implementation.use_megatron_fsdp", "implementation.use_torch_fsdp2"]
+    # the ValueError megatron/training/models/dist_utils.py _ddp_wrap raises, word for word
+    assert f.message in _megatron_source("training/models/dist_utils.py")
+
+
+def test_megatron_fsdp_accepts_expert_parallel_and_the_distributed_optimizer(kit):
+    # The layout MoE-ModelZoo's Qwen3-235B ran (EP 8, Megatron-FSDP): none of torch FSDP2's refusals apply.
+    codes = kit.codes(_moe(kit, use_megatron_fsdp=True))
+    assert not [c for c in codes if c.startswith("fsdp2_")]
+    assert "megatron_fsdp_turns_on_distributed_optimizer" not in codes
+
+
+def test_megatron_fsdp_without_the_distributed_optimizer_warns_that_megatron_turns_it_on(kit):
+    p = kit.plan(implementation={"use_megatron_fsdp": True},
+                 parallelism={"use_distributed_optimizer": False, "overlap_param_gather": False})
+    f = kit.one(p, "megatron_fsdp_turns_on_distributed_optimizer")
+    assert f.severity == "warning" and "use_distributed_optimizer true" in f.fix
+    # validate_args sets it itself: the run goes ahead, so no error may block it
+    assert not [g for g in kit.findings(p) if g.severity == "error"]
+    assert "args.use_distributed_optimizer = True" in _megatron_source("training/arguments.py")
+
+
+def test_fp8_param_gather_is_accepted_under_megatron_fsdp(kit):
+    p = kit.plan(training={"precision": "fp8", "fp8_param_gather": True},
+                 implementation={"use_megatron_fsdp": True},
+                 parallelism={"use_distributed_optimizer": False, "overlap_param_gather": False})
+    assert "fp8_param_gather_needs_distributed_optimizer" not in kit.codes(p)
+    p2 = kit.plan(training={"precision": "fp8", "fp8_param_gather": True},
+                  parallelism={"use_distributed_optimizer": False, "overlap_param_gather": False})
+    assert "fp8_param_gather_needs_distributed_optimizer" in kit.codes(p2)
+
+
+def test_a_sharding_strategy_without_megatron_fsdp_is_ignored_with_a_warning(kit):
+    f = kit.one(kit.plan(implementation={"data_parallel_sharding_strategy": "optim"}),
+                "sharding_strategy_without_megatron_fsdp")
+    assert f.severity == "warning" and "'optim'" in f.message
+    # Megatron's own default strategy says nothing
+    assert "sharding_strategy_without_megatron_fsdp" not in kit.codes(kit.plan())
+
+
+def test_megatron_fsdp_notes_that_its_gradients_are_bf16(kit):
+    f = kit.one(kit.plan(implementation={"use_megatron_fsdp": True}), "megatron_fsdp_gradients_in_bf16")
+    assert f.severity == "info" and "bf16" in f.message
+    p = kit.plan(implementation={"use_megatron_fsdp": True, "grad_reduce_in_fp32": False})
+    assert "megatron_fsdp_gradients_in_bf16" not in kit.codes(p)
+
+
+def test_precision_aware_optimizer_needs_the_distributed_optimizer(kit):
+    p = kit.plan(implementation={"use_precision_aware_optimizer": True},
+                 parallelism={"use_distributed_optimizer": False, "overlap_param_gather": False})
+    f = kit.one(p, "precision_aware_optimizer_needs_distributed_optimizer")
+    assert f.severity == "error"
+    # OptimizerConfig.__post_init__'s assertion message
+    assert f.message in _megatron_source("core/optimizer/optimizer_config.py")
+    ok = kit.plan(implementation={"use_precision_aware_optimizer": True, "use_megatron_fsdp": True},
+                  parallelism={"use_distributed_optimizer": False, "overlap_param_gather": False})
+    assert "precision_aware_optimizer_needs_distributed_optimizer" not in kit.codes(ok)
+
+
+def test_optimizer_state_dtypes_without_the_precision_aware_optimizer_are_ignored(kit):
+    f = kit.one(kit.plan(implementation={"exp_avg_dtype": "bf16"}), "optimizer_state_dtype_ignored")
+    assert f.severity == "warning" and "fp32 moments" in f.message
+    p = kit.plan(implementation={"exp_avg_dtype": "bf16", "use_precision_aware_optimizer": True})
+    assert "optimizer_state_dtype_ignored" not in kit.codes(p)

@@ -133,6 +133,8 @@ manual_gc = _gate("implementation.manual_gc", bool)
 mamba = _gate("model.hybrid_layer_pattern", lambda v: bool(v) and "M" in v)
 cuda_graphs = _gate("implementation.cuda_graph_impl", lambda v: v in ("local", "transformer_engine"))
 _te_spec = _gate("implementation.transformer_impl", lambda v: v == "transformer_engine")
+megatron_fsdp = _gate("implementation.use_megatron_fsdp", bool)
+precision_aware = _gate("implementation.use_precision_aware_optimizer", bool)
 
 
 def te_rope(get: Get) -> bool:
@@ -226,6 +228,9 @@ def _bool(v: Any) -> bool | None:
 
 
 _INVALID: Any = object()
+#: validate_args maps the optimizer-state dtype arguments to torch dtypes (map_dtype), so a dump prints
+#: 'torch.bfloat16' for the 'bf16' given on the command line; fp8 state is stored as torch.uint8.
+_TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "uint8": "fp8"}
 
 
 def coerce(raw: Any, annotation: Any) -> Any:
@@ -247,7 +252,7 @@ def coerce(raw: Any, annotation: Any) -> Any:
         found = [w for w in _words(raw) if w in allowed]
         return found or _INVALID
     if typing.get_origin(t) is Literal:
-        words = _words(raw)
+        words = [_TORCH_DTYPES.get(w, w) for w in _words(raw)]
         return words[0] if words and words[0] in typing.get_args(t) else _INVALID
     return str(raw)
 
@@ -645,6 +650,22 @@ def _parse_bias_activation(args: Mapping[str, Any], parsed: _Parsed) -> None:
         parsed.put("implementation.bias_activation_fusion", coerce(args[key], bool))
 
 
+#: validate_args asserts it under --use-megatron-fsdp ("Megatron-FSDP requires the `fsdp_dtensor` checkpointing
+#: format"); Megatron's default is torch_dist. No plan field: it follows use_megatron_fsdp.
+FSDP_CKPT_FORMAT = "fsdp_dtensor"
+
+
+def _render_fsdp_ckpt_format(view: RenderView) -> list[Flag]:
+    if not view.plan.implementation.use_megatron_fsdp:
+        return []
+    return _v(("--ckpt-format", FSDP_CKPT_FORMAT, "implementation.use_megatron_fsdp: validate_args requires "
+               "Megatron-FSDP's fsdp_dtensor checkpoint format"))
+
+
+def _parse_nothing(args: Mapping[str, Any], parsed: _Parsed) -> None:
+    """A derived flag with no plan field of its own (read back through the field it follows)."""
+
+
 def _etp_unset_at_tp(v: Any, get: Get) -> Any:
     # validate_args sets expert_tensor_parallel_size to TP when it is unset: the plan's None.
     return None if v == get("parallelism.tensor_model_parallel_size") else v
@@ -708,8 +729,22 @@ LAYOUT: tuple[Row, ...] = (
        "parallelism.sequence_parallel: norm/dropout activations sharded over TP", default=False),
     _e(_I + "use_torch_fsdp2", "--use-torch-fsdp2", "store_true",
        "implementation.use_torch_fsdp2: parameters sharded by torch FSDP2", default=False),
+    _e(_I + "use_megatron_fsdp", "--use-megatron-fsdp", "store_true",
+       "implementation.use_megatron_fsdp: Megatron-FSDP instead of DDP", default=False),
+    _e(_I + "data_parallel_sharding_strategy", "--data-parallel-sharding-strategy", "value",
+       "implementation.data_parallel_sharding_strategy: what Megatron-FSDP shards over DP", default="optim_grads_params",
+       always=True, gate=megatron_fsdp),
+    _s("megatron_fsdp_checkpoint", (), (Arg("--ckpt-format", "value", default="torch_dist"),),
+       _render_fsdp_ckpt_format, _parse_nothing),
     _e(_P + "use_distributed_optimizer", "--use-distributed-optimizer", "store_true",
        "parallelism.use_distributed_optimizer: Adam state sharded over DP (ZeRO-1)", default=False),
+    _e(_I + "use_precision_aware_optimizer", "--use-precision-aware-optimizer", "store_true",
+       "implementation.use_precision_aware_optimizer: TE FusedAdam with low-precision state (16-bit master "
+       "remainders)", default=False),
+    _e(_I + "exp_avg_dtype", "--exp-avg-dtype", "value", "implementation.exp_avg_dtype: Adam m as stored",
+       default="fp32", gate=precision_aware),
+    _e(_I + "exp_avg_sq_dtype", "--exp-avg-sq-dtype", "value", "implementation.exp_avg_sq_dtype: Adam v as stored",
+       default="fp32", gate=precision_aware),
     _e(_P + "overlap_grad_reduce", "--overlap-grad-reduce", "store_true",
        "parallelism.overlap_grad_reduce: DP reduce-scatter overlapped with backward", default=False),
     _e(_P + "overlap_param_gather", "--overlap-param-gather", "store_true",

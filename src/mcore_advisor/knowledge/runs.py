@@ -16,12 +16,15 @@ filled in at load time). A `flop_convention` column says how each source counted
 `plan_for_run` turns a row into a complete Plan where the row publishes enough (model shape, GPU,
 TP/PP, sequence length, global batch); every value it had to assume is listed in `assumptions`. The
 row is first written as the Megatron-LM arguments it ran with, which knowledge/megatron_flags.py reads
-into plan fields like any other run's arguments.
+into plan fields like any other run's arguments. What the row's table leaves out but the recipe that
+produced it states (optimizer-state precision, FP8 primary weights, recompute) comes from
+data/run_recipes.json, each entry with its citation (`run_recipes`).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import re
 from functools import cache
 from importlib import resources
@@ -32,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mcore_advisor.knowledge import megatron_flags
 from mcore_advisor.knowledge.hardware import gpu_key_from_label
 from mcore_advisor.knowledge.models import model_catalog, normalize_key, resolve_model
-from mcore_advisor.schemas import ModelSpec, Plan
+from mcore_advisor.schemas import ImplementationSpec, ModelSpec, Plan
 
 FlopConvention = Literal["full", "full+recompute", "causal"]
 
@@ -124,6 +127,44 @@ _SOURCES: dict[str, RunSource] = {
         ),
     ]
 }
+
+
+class RunRecipe(BaseModel):
+    """Settings the recipe behind a source's rows states and the row's table leaves out (data/run_recipes.json)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    source: str
+    models: Literal["*"] | tuple[str, ...] = Field(description="Model labels as published, or '*' for every row of the source.")
+    args: dict[str, bool | int | float | str] = Field(description="Megatron-LM argument destinations and values (what megatron_flags.parse reads).")
+    mechanism: str
+    citation: str
+    differs: str | None = Field(None, description="Where Megatron-LM's mechanism is not byte-for-byte the recipe's.")
+
+    def applies(self, run: PublishedRun) -> bool:
+        return run.source == self.source and (self.models == "*" or run.model in self.models)
+
+
+@cache
+def run_recipes() -> tuple[RunRecipe, ...]:
+    """Every entry of data/run_recipes.json, in the order plan_for_run applies them."""
+    text = resources.files(__package__).joinpath("data/run_recipes.json").read_text(encoding="utf-8")
+    recipes = tuple(RunRecipe(**r) for r in json.loads(text)["recipes"])
+    unknown = sorted({r.source for r in recipes} - set(_SOURCES))
+    if unknown:
+        raise ValueError(f"data/run_recipes.json: unknown source {unknown}; use one of {sorted(_SOURCES)}")
+    return recipes
+
+
+def _recipe_args(run: PublishedRun, a: list[str]) -> dict:
+    """The arguments every recipe entry that applies to the row adds (later entries win), each noted."""
+    out: dict = {}
+    for r in run_recipes():
+        if r.applies(run):
+            out.update(r.args)
+            a.append(f"from the recipe ({r.citation}): {', '.join(f'{k}={v}' for k, v in r.args.items())}: {r.mechanism}"
+                     + (f"; differs: {r.differs}" if r.differs else ""))
+    return out
 
 
 def sources() -> dict[str, RunSource]:
@@ -374,11 +415,14 @@ def plan_for_run(run: PublishedRun) -> RunPlan | None:
     m = re.search(r"ETP=(\d+)", run.notes)
     if m:
         args["expert_tensor_parallel_size"] = int(m.group(1))
-    args.update(_recompute(run, a))
+    recipe = _recipe_args(run, a)
+    if "recompute_granularity" not in recipe:
+        args.update(_recompute(run, a))
     args.update(_pipeline_split(resolve_model(model).num_layers, pp, run.virtual_pipeline_model_parallel_size or 1, a))
     args.update(_layout_practice(run, tp, "sequence_parallel" in args, a))
     args.update(_precision_args(run, a))
     args.update(_implementation_args(run, a))
+    args.update(recipe)
     sections = megatron_flags.parse(args).sections
     impl = sections["implementation"]
     if "passes with pytorch_cuda_alloc_conf=expandable_segments:true" in run.notes.lower():
@@ -451,7 +495,10 @@ def _implementation_args(run: PublishedRun, a: list[str]) -> dict:
     elif "a2a" in notes_l or "alltoall" in notes_l:
         out["moe_token_dispatcher_type"] = "alltoall"
     if "megatron-fsdp on" in notes_l:
-        out["use_torch_fsdp2"] = True
+        # Megatron-LM's own FSDP (--use-megatron-fsdp), not torch FSDP2 (which rejects EP).
+        out["use_megatron_fsdp"] = True
+        strategy = ImplementationSpec.model_fields["data_parallel_sharding_strategy"].default
+        a.append(f"Megatron-FSDP sharding strategy not published: Megatron-LM's default {strategy} assumed")
     if run.source.startswith(("NEMO_", "MBRIDGE_")):
         # NeMo/Megatron-Bridge performance recipes turn fp32 gradient reduction off
         # (scripts/performance helpers: plugins.grad_reduce_in_fp32 = False).

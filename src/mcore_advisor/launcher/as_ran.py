@@ -19,6 +19,7 @@ from typing import Any
 from mcore_advisor.knowledge import megatron_flags
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.memory import GIB, MemoryBreakdown, memory_breakdown
+from mcore_advisor.physics.step_time import host_floor_from_probe
 from mcore_advisor.schemas import Plan, parallel_dims, with_changes
 
 
@@ -48,7 +49,19 @@ def as_ran(plan: Plan, result: Mapping[str, Any] | None) -> AsRan:
     changes = {name: value for name, value in ran.items() if value != getattr(im, name)}
     diffs = [f"{k} {v}" + (" (the plan asked for " + str(getattr(im, k)) + ")" if k == "transformer_impl" else "")
              for k, v in changes.items()]
-    return AsRan(with_changes(plan, "implementation", **changes) if changes else plan, diffs)
+    plan = with_changes(plan, "implementation", **changes) if changes else plan
+    return _on_measured_host(plan, result, diffs)
+
+
+def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -> AsRan:
+    """The plan on the host speed the job measured (entry/host_probe.py), unless the plan sets its own."""
+    probe = (result.get("host") or {}).get("probe") or {}
+    if plan.cluster.host_floor_ms_per_layer is not None or probe.get("impl") != "transformer_engine":
+        return AsRan(plan, diffs)
+    floor = host_floor_from_probe(float(probe["ms_per_layer"]))
+    diffs = diffs + [f"host_floor_ms_per_layer {floor:.2f} (the job's host probe: "
+                     f"{float(probe['ms_per_layer']):.2f} ms per TE layer)"]
+    return AsRan(with_changes(plan, "cluster", host_floor_ms_per_layer=round(floor, 4)), diffs)
 
 
 def rank_memory(plan: Plan, result: Mapping[str, Any]) -> tuple[MemoryBreakdown, dict[str, Any] | None]:

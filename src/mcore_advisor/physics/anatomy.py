@@ -2,7 +2,8 @@
 how tensor and expert parallelism split them. Model FLOPs (physics.flops and the profile job's
 counter), parameter counts (total, and per rank for physics.memory and physics.step_time) and the
 linear-weight shapes (TE's dummy weight gradients, the step time's weight-gradient accumulation)
-are all computed from it, so a layer is described once.
+and the widths of the activations each layer saves (physics.activations) are all computed from
+it, so a layer is described once.
 
 A layer is a tuple of blocks, each behind its own pre-norm: a GPT layer is ('attention', 'mlp') or
 ('attention', 'moe') (TransformerLayer: self-attention and MLP, two norms), a hybrid layer one of
@@ -79,6 +80,25 @@ class Matrix:
 
 
 @dataclass(frozen=True, slots=True)
+class CoreAttention:
+    """What core attention takes per token: `heads` query heads (split over TP), `kv_heads` key/value
+    heads (GQA: the QKV projection's g groups, g = heads for MHA; MLA: heads, its up-projections make
+    one key and value per head), `qk_dim` the width of each query and key head (MLA: d_qk + the RoPE
+    part d_rope) and `v_dim` of each value head; `latent` for MLA (MLASelfAttention)."""
+
+    heads: int
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+    latent: bool = False
+
+    @property
+    def kind(self) -> str:
+        """'mla', 'gqa' (fewer key/value heads than query heads) or 'mha'."""
+        return "mla" if self.latent else ("gqa" if self.kv_heads < self.heads else "mha")
+
+
+@dataclass(frozen=True, slots=True)
 class Block:
     """One block of a layer (without its pre-norm).
 
@@ -89,7 +109,8 @@ class Block:
     per-head norms, MTP's norms); `split_params`: other parameters split over TP (the Mamba mixer's
     conv1d, dt_bias, A_log, D and gated norm); `flops`: Megatron's model FLOPs per token, fwd + bwd,
     of the non-expert part (the token-linear part for attention); `core_width`: multiply-adds per
-    token per attended key of core attention (QK^T and PV), 0 for other blocks.
+    token per attended key of core attention (QK^T and PV), 0 for other blocks; `core`: the attention
+    block's core attention (heads and head widths), None for other blocks.
     """
 
     kind: str
@@ -102,6 +123,7 @@ class Block:
     split_params: int = 0
     flops: float = 0.0
     core_width: int = 0
+    core: CoreAttention | None = None
 
     @property
     def expert_flops(self) -> float:
@@ -203,16 +225,17 @@ def _attention(f: Any) -> Block:
                 Matrix("linear_proj", h, n * f.v_head_dim, "row", bias))
         latent_norms = (r_q or 0) + r_kv
         whole = (_norm(f, r_q) if r_q else 0) + _norm(f, r_kv)
-        core = n * dq + n * f.v_head_dim
+        core = CoreAttention(n, n, dq, f.v_head_dim, latent=True)
     else:
         d, g = f.kv_channels, f.num_query_groups
         mats = (Matrix("linear_qkv", (n + 2 * g) * d, h, "column", bias), Matrix("linear_proj", h, n * d, "row", bias))
         latent_norms = 0
         # --qk-layernorm: SelfAttention's q_layernorm and k_layernorm, each over one head (kv_channels).
         whole = 2 * _norm(f, d) if f.qk_layernorm else 0
-        core = 2 * n * d
+        core = CoreAttention(n, g, d, d)
     flops = GEMM * (sum(m.weights for m in mats) + latent_norms)
-    return Block("attention", mats, whole_params=whole, flops=float(flops), core_width=core)
+    return Block("attention", mats, whole_params=whole, flops=float(flops),
+                 core_width=core.heads * (core.qk_dim + core.v_dim), core=core)
 
 
 def _mlp_matrices(f: Any, ffn: int) -> tuple[Matrix, ...]:
@@ -286,6 +309,7 @@ def _mtp(f: Any) -> Block:
 
 
 _HYBRID_BLOCKS = {"M": ("mamba",), "*": ("attention",), "-": ("mlp",), "E": ("moe",)}
+_BUILDERS = {"attention": _attention, "mlp": _mlp, "moe": _moe, "mamba": _mamba, "mtp": _mtp}
 
 
 def _build(f: Any) -> Anatomy:
@@ -298,8 +322,7 @@ def _build(f: Any) -> Anatomy:
     # Megatron: MTP layers copy the type of the last decoder layer (a GPT layer, also in hybrids).
     mtp_layer = ("attention", "moe" if moe_pattern and moe_pattern[-1] else "mlp", "mtp") if mtp else ()
     kinds = {k for layer in (*layers, mtp_layer) for k in layer}
-    builders = {"attention": _attention, "mlp": _mlp, "moe": _moe, "mamba": _mamba, "mtp": _mtp}
-    return Anatomy(hidden_size=f.hidden_size, blocks={k: builders[k](f) for k in sorted(kinds)}, layers=layers,
+    return Anatomy(hidden_size=f.hidden_size, blocks={k: _BUILDERS[k](f) for k in sorted(kinds)}, layers=layers,
                    mtp_layer=mtp_layer, mtp_num_layers=mtp, hybrid=bool(pattern), norm_params=_norm(f, f.hidden_size),
                    untie_embeddings_and_output_weights=bool(f.untie_embeddings_and_output_weights),
                    learned_position_embedding=f.position_embedding_type == "learned_absolute")
@@ -319,6 +342,19 @@ def anatomy(shape: Any) -> Anatomy:
     if isinstance(shape, Mapping):
         return _build(_Fields(shape))
     return _cached(shape)
+
+
+def block(shape: Any, kind: str) -> Block:
+    """The `kind` block ('attention', 'mlp', 'moe', 'mamba', 'mtp') of a shape: the anatomy's when a
+    layer has one, else built from the shape's sizes (the memory model prices a GPT layer's two
+    blocks for a hybrid's one-block layers, whichever of them the pattern uses). 'moe' needs
+    num_experts and 'mamba' the Mamba sizes."""
+    found = anatomy(shape).blocks.get(kind)
+    if found is not None:
+        return found
+    if kind not in _BUILDERS:
+        raise ValueError(f"block kind must be one of {sorted(_BUILDERS)}, got {kind!r}")
+    return _BUILDERS[kind](_view(shape))
 
 
 # ---------------------------------------------------------------------------------------------

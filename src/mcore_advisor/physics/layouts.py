@@ -60,6 +60,11 @@ class Implementation:
     hidden_dropout: float = 0.0
     cuda_graph_impl: str = "none"
     cuda_graph_modules: tuple[str, ...] = ()
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "optim_grads_params"
+    use_precision_aware_optimizer: bool = False
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
 
     @classmethod
     def of(cls, im: ImplementationSpec, *, fp8_recipe: str = "delayed", fp8_param_gather: bool = False,

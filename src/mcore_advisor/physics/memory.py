@@ -13,30 +13,13 @@ What is modelled, and the definition each figure follows:
 - `total`: peak_reserved + memory outside PyTorch's allocator (CUDA context, NCCL buffers), which
   max_memory_allocated never includes. `fits` compares total with the GPU's capacity.
 
-Activations are derived from what each forward op saves for backward (Megatron-Core
-`transformer_layer.py`, `attention.py`, `dot_product_attention.py`, `mlp.py`, the TE modules), not
-from a fitted constant. For GPT-3 shapes (MHA, GeLU 4h, no RoPE, dropout 0.1, bf16 softmax) the
-terms reduce exactly to Korthikanti et al. 2022 (arXiv 2205.05198) Table 2: 34*s*b*h + 5*a*s^2*b
-per layer, 10 + 24/t with TP, 34/t with TP+SP, 2*s*b*h with full recompute. What changes with
-modern models, term by term:
-
-- GQA: the QKV output is (n + 2g)*d wide instead of 3h; RoPE writes new q and k tensors.
-- SwiGLU: the fused activation saves its 2f-wide input, fc2 saves the f-wide product (unfused:
-  also silu's output).
-- Flash/fused attention saves q, k, v, the output and fp32 softmax statistics (b*n*s), never the
-  s x s matrix. Megatron's own DotProductAttention (always the local spec's core attention) saves the
-  softmax output per score (`softmax_bytes_per_score`): 2 B from the fused masked-softmax kernel or
-  PyTorch's bf16 softmax (Megatron-LM's default, --attention-softmax-in-fp32 off), 6 B from the fp32
-  softmax (its fp32 output and the bf16 copy the PV matmul saves); dropout adds its mask and output.
-- TE's DotProductAttention makes v contiguous (`get_qkv_layout`), so the QKV GEMM output is freed;
-  Megatron's DotProductAttention keeps it alive through the v view its PV matmul saves (MHA), or
-  saves the repeat_interleave'd k and v of GQA (n heads wide each) instead. Selective
-  core_attn recompute under TE brings it back: Megatron's CheckpointFunction saves the v view, so
-  with flash attention selective recompute needs more memory than none.
+Activations are derived from what each forward op saves for backward, block by block from the
+layer anatomy (physics.activations: the per-layer bytes, which reduce to Korthikanti et al. 2022
+Table 2 for GPT-3 shapes), not from a fitted constant. This module adds what lies outside the layers:
 - Loss: the last stage holds 6 B per logit (unfused), 10 B (Megatron's torch.compile'd 'native'
   fused cross entropy: Inductor materialises in-place updates out of place) or 2 B (TE's).
-- FP8 (TE): GEMM inputs kept for the weight gradient are stored as 1-byte FP8 copies.
-- CP divides s; SP divides the h-wide tensors outside the TP regions by t.
+- the embedding's token ids, the final norm and output-layer inputs, the MTP layers, and the
+  checkpointed layer inputs of full recompute.
 
 Pipeline schedule (Megatron `pipeline_parallel/schedules.py`): 1F1B rank r holds
 min(PP - r, M) microbatches at its peak (PP - r - 1 warmup forwards, +1 in steady state); the
@@ -69,7 +52,18 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
-from mcore_advisor.physics.anatomy import RankParams, linear_weights, rank_params  # noqa: F401 (RankParams: re-exported)
+from mcore_advisor.physics.activations import (  # noqa: F401 (the per-layer names: re-exported)
+    ActivationOptions,
+    activation_options,
+    fused_softmax_kernel,
+    layer_activation_terms,
+    layer_backward_working_bytes,
+    layer_backward_working_pieces,
+    layer_kinds,
+    megatron_dot_product_attention,
+    softmax_bytes_per_score,
+)
+from mcore_advisor.physics.anatomy import RankParams, anatomy, linear_weights, rank_params  # noqa: F401 (RankParams: re-exported)
 from mcore_advisor.physics.layouts import (
     NUM_SLOTS,
     RECOMPUTE_FULL,
@@ -79,11 +73,6 @@ from mcore_advisor.physics.layouts import (
     LayoutBatch,
     StageTable,
     stage_split,
-)
-from mcore_advisor.physics.mamba import (
-    hybrid_layer_bytes,
-    mamba_activation_bytes,
-    mamba_backward_working_bytes,
 )
 from mcore_advisor.schemas import ModelShape, Plan, layers_per_stage
 
@@ -210,291 +199,6 @@ class MemoryBreakdown(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------
-# Activations per layer (plain numbers; the fast path the recommender can call in loops)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ActivationOptions:
-    """Implementation facts that decide which tensors a layer's forward keeps for backward."""
-
-    tp: int = 1
-    cp: int = 1
-    sequence_parallel: bool = False
-    transformer_impl: Literal["transformer_engine", "local"] = "transformer_engine"
-    unfused_attention: bool = False
-    attention_backend: str = "auto"
-    fp8: bool = False
-    fused_activation: bool = True
-    attention_softmax_in_fp32: bool = False
-    masked_softmax_fusion: bool = True
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    recompute_modules: frozenset[str] = frozenset()
-    ep: int = 1
-    etp: int = 1
-    moe_token_imbalance: float = 1.0
-
-
-def layer_activation_terms(shape: ModelShape, seq_length: int, micro_batch_size: int, moe_layer: bool,
-                           o: ActivationOptions) -> dict[str, float]:
-    """Bytes one decoder layer saves for backward, per microbatch, on one rank, by tensor group.
-
-    Derivation (Megatron-Core forward, which tensors autograd keeps):
-    - norm inputs: each pre-norm saves its input (2 B/elem, h wide) + fp32 stats; with SP /t.
-    - GEMM inputs: the QKV and fc1 linears save their input (the norm output); with SP only the
-      local shard is kept and re-gathered in backward (Megatron `LinearWithGradAccumulation...`,
-      TE `_LayerNormLinear`); FP8 keeps a 1-byte copy.
-    - attention: see module docstring (QKV output, RoPE q/k, flash output or s x s scores).
-    - proj input = attention output (flash: the same tensor; unfused: a contiguous copy).
-    - dropout masks: 1 B/elem bool per dropout with p > 0.
-    - MLP: activation input (2f-wide for SwiGLU) + fc2 input (f wide, FP8 1 byte) (+ silu output
-      when the SwiGLU is not fused).
-    - MoE: router logits/probs (E per token), dispatched tokens (k per token) as fc1 input,
-      expert activations (the probs are applied in the activation, so the unpermute keeps no outputs).
-    """
-    t, cp = o.tp, o.cp
-    s_local = seq_length / cp
-    tok = s_local * micro_batch_size  # tokens of one microbatch on this rank
-    c = _LayerTokens(tok=tok, sp_div=t if o.sequence_parallel and t > 1 else 1, gemm_in=1.0 if o.fp8 else 2.0,
-                     scores_per_head=micro_batch_size * s_local * seq_length, seq_k=seq_length)
-    terms: dict[str, float] = {}
-    terms.update(_norm_terms(shape, o, c))
-    qkv, v_width = _qkv_bytes(shape, o, c)
-    terms["qkv"] = qkv
-    terms.update(_core_attention_terms(shape, o, c, v_width))
-    masks = 0.0
-    if o.hidden_dropout > 0:
-        # bias-dropout-add after attention and after the MLP (fusions/fused_bias_dropout.py): dropout keeps
-        # a 1-byte mask per element of its s x b x h output; the residual add saves nothing.
-        masks += 2 * 1.0 * shape.hidden_size * tok / c.sp_div
-    terms["dropout_masks"] = masks
-    terms.update(_mlp_terms(shape, o, c, moe_layer))
-    return terms
-
-
-@dataclass(frozen=True, slots=True)
-class _LayerTokens:
-    """Token counts of one micro-batch on one rank, as the per-layer byte counts use them."""
-
-    tok: float  # tokens of the micro-batch on this rank (s/cp x b)
-    sp_div: int  # TP when SP shards the h-wide tensors outside the TP regions, else 1
-    gemm_in: float  # bytes per saved GEMM input element (1 with FP8)
-    scores_per_head: float  # b x s/cp x s attention scores per head
-    seq_k: int  # keys each query attends over (the whole sequence)
-
-
-def megatron_dot_product_attention(o: ActivationOptions) -> bool:
-    """Core attention is Megatron's own DotProductAttention: always under the local spec
-    (LocalSpecProvider.core_attention), and 'local' under Transformer Engine."""
-    return o.unfused_attention and (o.transformer_impl == "local" or o.attention_backend == "local")
-
-
-def fused_softmax_kernel(megatron_dpa: bool, masked_softmax_fusion: bool, heads_per_rank, seq_k: int):
-    """Whether unfused attention's masked softmax runs a fused CUDA kernel (`heads_per_rank` a number or
-    an array of them).
-
-    Megatron's DotProductAttention (fusions/fused_softmax.py FusedScaleMaskSoftmax.is_kernel_available):
-    masked_softmax_fusion, bf16 input, 16 < sk <= 4096, sq and sk multiples of 4 and b*np a multiple of 4
-    (taken here as np % 4 == 0, so the figure stays linear in b). TE's UnfusedDotProductAttention has
-    its own kernel for 16 < sk < 16384 with sk % 8 == 0 (TE attention/dot_product_attention/softmax.py).
-    """
-    if not megatron_dpa:
-        return 16 < seq_k < 16384 and seq_k % 8 == 0
-    seq_ok = masked_softmax_fusion and 16 < seq_k <= 4096 and seq_k % 4 == 0
-    return np.logical_and(seq_ok, np.mod(heads_per_rank, 4) == 0)
-
-
-def softmax_bytes_per_score(o: ActivationOptions, heads_per_rank: int, seq_k: float) -> tuple[float, float]:
-    """(bytes saved for backward, bytes live at the softmax backward) per attention score of unfused attention.
-
-    - fused kernel (ScaledUpperTriangMaskedSoftmax): saves its bf16 output (2 B); its backward writes the
-      gradient in place over the incoming one: 2 + 2 live.
-    - PyTorch softmax in bf16 (Megatron-LM's default, no --attention-softmax-in-fp32): masked_fill_
-      works in place on the QK^T output, softmax saves its bf16 output (2 B); at its backward the
-      output, the incoming and the outgoing gradient are live: 6 B.
-    - PyTorch softmax in fp32: `.float()` copy, softmax saves its fp32 output (4 B) and the bf16 copy
-      the PV matmul saves (2 B) = 6 B; its backward holds fp32 output and gradients in and out: 12 B.
-    With attention dropout p > 0 (torch.nn.Dropout, skipped at p = 0) the dropout keeps a 1-byte mask
-    and the PV matmul saves the dropped bf16 output instead of the softmax's bf16 one.
-    """
-    dpa = megatron_dot_product_attention(o)
-    fused = bool(fused_softmax_kernel(dpa, o.masked_softmax_fusion, heads_per_rank, seq_k))
-    fp32 = not fused and (o.attention_softmax_in_fp32 or not dpa)
-    if fused:
-        out, live = 2.0, 4.0
-    elif fp32:
-        out, live = 4.0, 12.0
-    else:
-        out, live = 2.0, 6.0
-    pv_input = 2.0 if (fp32 or o.attention_dropout > 0) else 0.0  # a bf16 tensor besides the softmax output
-    mask = 1.0 if o.attention_dropout > 0 else 0.0
-    return out + pv_input + mask, live
-
-
-def _norm_terms(shape: ModelShape, o: ActivationOptions, c: _LayerTokens) -> dict[str, float]:
-    h, tok = shape.hidden_size, c.tok
-    norm_stats = (8.0 if shape.normalization == "LayerNorm" else 4.0) * tok / c.sp_div
-    return {
-        "norm_inputs": 2 * (2.0 * h * tok / c.sp_div + norm_stats),
-        # 'layernorm' recompute drops the norm outputs (recomputed from the saved norm inputs).
-        "norm_outputs": 0.0 if "layernorm" in o.recompute_modules else 2 * c.gemm_in * h * tok / c.sp_div,
-    }
-
-
-def _qkv_bytes(shape: ModelShape, o: ActivationOptions, c: _LayerTokens) -> tuple[float, float]:
-    """(bytes kept of the QKV projection's output and the tensors made from it, v width)."""
-    n, t, tok, rec = shape.num_attention_heads, o.tp, c.tok, o.recompute_modules
-    if shape.multi_latent_attention:
-        d_qk, d_r, d_v = shape.qk_head_dim, shape.qk_pos_emb_head_dim, shape.v_head_dim
-        r_q, r_kv = shape.q_lora_rank or 0, shape.kv_lora_rank
-        gemm_in, sp_div = c.gemm_in, c.sp_div
-        # Megatron MLASelfAttention (multi_latent_attention.py): the down-projections are whole on
-        # every TP rank and, with SP, run on the local sequence shard, so their outputs are s/TP
-        # long. linear_q_up_proj / linear_kv_up_proj (norm fused) save their input (q_compressed;
-        # kv_compressed, a view that keeps all of kv_combined, r_kv + d_rope, alive), the normed
-        # local shard and an fp32 rstd. The up-projection outputs are split, RoPE'd and
-        # concatenated into new query/key/value tensors without being saved; core attention
-        # saves those. With 'mla_up_proj' recompute the query/key/value are discarded after the
-        # attention forward, leaving the checkpoint's extra input, the gathered k_pos_emb.
-        stats = 4.0 * ((1 if r_q else 0) + 1)
-        down = (2.0 * r_q + gemm_in * r_q + 2.0 * (r_kv + d_r) + gemm_in * r_kv + stats) * tok / sp_div
-        if "mla_up_proj" in rec:
-            qkv_final = 2.0 * tok * d_r
-        else:
-            qkv_final = 2.0 * tok * n * (2 * (d_qk + d_r) + d_v) / t
-        return down + qkv_final, n * d_v
-    d, g = shape.kv_channels, shape.num_query_groups
-    q, kv = n * d, g * d
-    rope = shape.position_embedding_type == "rope"
-    if megatron_dot_product_attention(o) and g < n and "core_attn" not in rec:
-        # Megatron's DotProductAttention with GQA: the query is reshaped out of the grouped QKV output
-        # (a copy) or RoPE'd (new), and repeat_interleave makes n-head k and v, which the QK^T and PV
-        # matmuls save; nothing keeps the QKV GEMM output itself.
-        return 3 * 2.0 * tok * q / t, q
-    if o.transformer_impl == "local" or megatron_dot_product_attention(o) or not rope:
-        # MHA under Megatron's attention (or no RoPE): the PV matmul saves v, a view of the QKV GEMM
-        # output, which keeps the whole (q + 2kv)-wide tensor alive; RoPE adds new q and k tensors.
-        return 2.0 * tok * (q + 2 * kv) / t + (2.0 * tok * (q + kv) / t if rope else 0.0), q
-    if "core_attn" in rec:
-        # TE + selective core_attn: Megatron's CheckpointFunction (tensor_parallel/random.py,
-        # `ctx.save_for_backward(*args)`) keeps q, k, v exactly as attention.py's
-        # _checkpointed_attention_forward passes them: the RoPE'd q and k, and v, a view of the
-        # QKV GEMM output, which so stays alive whole. TE's contiguous v copy (get_qkv_layout)
-        # is made under no_grad and dropped. So selective costs 2*(q + kv) B/token more here
-        # than the TE branch below, minus the fp32 softmax statistics it no longer saves:
-        # measured 54.74 vs 51.76 GiB for GPT 1.3B mbs 8 (benchmarks/results).
-        return 2.0 * tok * (q + kv) / t + 2.0 * tok * (q + 2 * kv) / t, q
-    # TE: RoPE writes q, k; TE's get_qkv_layout finds the strided v 'not_supported' and
-    # makes q, k, v contiguous (a copy of v only); FusedAttention saves those, so the QKV
-    # GEMM output is freed.
-    return 2.0 * tok * (q + 2 * kv) / t, q
-
-
-def _core_attention_terms(shape: ModelShape, o: ActivationOptions, c: _LayerTokens, v_width: float) -> dict[str, float]:
-    t, tok = o.tp, c.tok
-    a_local = shape.num_attention_heads / t
-    core_recomputed = "core_attn" in o.recompute_modules
-    if o.unfused_attention and not core_recomputed:
-        scores = a_local * c.scores_per_head
-        saved, _ = softmax_bytes_per_score(o, shape.num_attention_heads // t, c.seq_k)
-        # contiguous context = proj input
-        return {"attention_scores": saved * scores, "attention_output": 2.0 * tok * v_width / t}
-    if o.unfused_attention or core_recomputed:
-        return {"attention_scores": 0.0, "attention_output": c.gemm_in * tok * v_width / t}
-    # Flash/fused: the output is saved by the attention and is the proj input (FP8 adds the
-    # 1-byte copy TE's Linear keeps); fp32 log-sum-exp per head and token.
-    return {"attention_scores": 4.0 * a_local * tok,
-            "attention_output": 2.0 * tok * v_width / t + (1.0 * tok * v_width / t if o.fp8 else 0.0)}
-
-
-def _mlp_terms(shape: ModelShape, o: ActivationOptions, c: _LayerTokens, moe_layer: bool) -> dict[str, float]:
-    h, t, tok, gemm_in, rec = shape.hidden_size, o.tp, c.tok, c.gemm_in, o.recompute_modules
-    f_mult = 2 if shape.swiglu else 1
-    if not (moe_layer and shape.num_experts):
-        return {"mlp_activations": 0.0 if "mlp" in rec else _mlp_bytes(shape.ffn_hidden_size, f_mult, tok, t, gemm_in, o.fused_activation)}
-    if "moe" in rec:
-        # MoELayer.forward (moe_layer_recompute) checkpoints route, dispatch, experts, combine and the
-        # shared experts as one function: only the layer's input (the norm output, counted there) is kept.
-        return dict.fromkeys(("moe_router", "moe_dispatched_tokens", "moe_expert_activations", "moe_combine",
-                              "mlp_activations"), 0.0)
-    terms: dict[str, float] = {}
-    E, k, f_e = shape.num_experts, shape.moe_router_topk, shape.moe_ffn_hidden_size
-    etp = o.etp
-    # MoE needs SP with TP > 1: the router sees the local tokens.
-    tok_moe = tok / t
-    terms["moe_router"] = (2.0 + 4.0 + 4.0 + 1.0) * E * tok_moe  # bf16 logits, fp32 scores+probs, routing map
-    # Tokens this rank's experts process: k copies of each local token on average (EP
-    # exchanges them evenly), gathered over ETP ranks; x imbalance for skewed routing.
-    n_e = tok_moe * k * etp * o.moe_token_imbalance
-    terms["moe_dispatched_tokens"] = gemm_in * h * n_e
-    # 'moe_act' recompute reruns the activation: its output (the fc2 input) is not kept.
-    act_in = 2.0 * f_mult * f_e * n_e / etp
-    fc2_in = 0.0 if "moe_act" in rec else gemm_in * f_e * n_e / etp
-    silu = 0.0 if o.fused_activation or not shape.swiglu else 2.0 * f_e * n_e / etp
-    terms["moe_expert_activations"] = act_in + fc2_in + silu
-    # The routing probs are applied inside the experts' activation (experts.py bias_act_func /
-    # weighted_bias_swiglu_impl: it saves its input, counted above, and the probs), so the combine's
-    # unpermute runs without probs (token_dispatcher.py) and keeps only its index map: no expert outputs.
-    terms["moe_combine"] = 0.0
-    f_sh = shape.moe_shared_expert_intermediate_size
-    if f_sh and "shared_experts" not in rec:
-        terms["mlp_activations"] = _mlp_bytes(f_sh, f_mult, tok, t, gemm_in, o.fused_activation)
-    else:
-        terms["mlp_activations"] = 0.0
-    return terms
-
-
-def _mlp_bytes(f: int, f_mult: int, tok: float, t: int, gemm_in: float, fused: bool) -> float:
-    # Activation input (fc1 output, f_mult*f wide) + fc2 input (f wide) + unfused silu output.
-    act_in = 2.0 * f_mult * f * tok / t
-    fc2_in = gemm_in * f * tok / t
-    silu = 2.0 * f * tok / t if (f_mult == 2 and not fused) else 0.0
-    return act_in + fc2_in + silu
-
-
-def layer_backward_working_pieces(shape: ModelShape, seq_length: int, micro_batch_size: float, moe_layer: bool,
-                                  o: ActivationOptions, saved: dict[str, float]) -> tuple[float, ...]:
-    """Candidates for the temporaries of one layer's backward on top of what is saved, each affine in
-    the micro-batch; the working set is the largest (`layer_backward_working_bytes`).
-
-    First: gradient tensors in flight, the SP all-gather of a GEMM input for its weight gradient
-    and the largest bf16 weight-gradient tensor (no gradient-accumulation fusion). Second, for
-    unfused attention only: the fp32 softmax backward (grad in, grad out and the saved output live
-    together: 12 B/score at the softmax backward vs 6 saved, while the layer's MLP tensors are
-    already freed).
-    """
-    h = shape.hidden_size
-    t = o.tp
-    tok = seq_length / o.cp * micro_batch_size
-    sp_div = t if o.sequence_parallel and t > 1 else 1
-    f_mult = 2 if shape.swiglu else 1
-    if moe_layer and shape.num_experts:
-        f_w = shape.moe_ffn_hidden_size * shape.moe_router_topk * o.etp / t
-    else:
-        f_w = shape.ffn_hidden_size
-    grads = 2.0 * tok * (f_mult * f_w + f_w) / t + 3 * 2.0 * h * tok / sp_div
-    gather = 2.0 * h * tok if sp_div > 1 else 0.0
-    # Without gradient-accumulation fusion (it needs Apex; TE-on-gpu.md: Megatron runs here with
-    # --no-gradient-accumulation-fusion) each weight gradient is a bf16 tensor added to main_grad.
-    wgrad = 2.0 * h * max(f_mult * shape.ffn_hidden_size, 3 * h) / t
-    pieces: tuple[float, ...] = (grads + gather + wgrad,)
-    if o.unfused_attention and "core_attn" not in o.recompute_modules:
-        heads = shape.num_attention_heads // t
-        n_scores = heads * micro_batch_size * (seq_length / o.cp) * seq_length
-        per_saved, live = softmax_bytes_per_score(o, heads, seq_length)
-        freed = saved.get("mlp_activations", 0.0) + saved.get("attention_output", 0.0)
-        pieces += (n_scores * (live - per_saved) - freed + grads,)
-    return pieces
-
-
-def layer_backward_working_bytes(shape: ModelShape, seq_length: int, micro_batch_size: int, moe_layer: bool,
-                                 o: ActivationOptions, saved: dict[str, float]) -> float:
-    """Temporaries of one layer's backward on top of what is saved (the largest working piece)."""
-    return max(layer_backward_working_pieces(shape, seq_length, micro_batch_size, moe_layer, o, saved))
-
-
-# ---------------------------------------------------------------------------------------------
 # Parameters per pipeline rank (the count itself: physics.anatomy.rank_params)
 # ---------------------------------------------------------------------------------------------
 
@@ -610,54 +314,18 @@ def stage_table(batch: LayoutBatch) -> StageTable:
                       first=cols[5] > 0, last=cols[6] > 0, padded_vocab=vocab)
 
 
-def _activation_options(batch_impl: Implementation, tp: int, cp: int, sp: int, fp8: int, ep: int, etp: int,
-                        selective: bool) -> ActivationOptions:
-    return ActivationOptions(
-        tp=tp, cp=cp, sequence_parallel=bool(sp) and tp > 1, transformer_impl=batch_impl.transformer_impl,
-        unfused_attention=batch_impl.unfused_attention, attention_backend=batch_impl.attention_backend, fp8=bool(fp8),
-        fused_activation=batch_impl.bias_activation_fusion, attention_softmax_in_fp32=batch_impl.attention_softmax_in_fp32,
-        masked_softmax_fusion=batch_impl.masked_softmax_fusion, hidden_dropout=batch_impl.hidden_dropout,
-        attention_dropout=batch_impl.attention_dropout,
-        recompute_modules=batch_impl.selective_modules if selective else frozenset(), ep=ep, etp=etp,
-    )
-
-
-@lru_cache(maxsize=65536)
-def _layer_kinds(shape: ModelShape, seq: int, o: ActivationOptions) -> dict[str, tuple[float, tuple, tuple]]:
-    """Per layer kind ('dense', 'moe', hybrid symbols): (saved bytes per sample, working-set pieces at
-    b = 0, their slopes per sample). Saved bytes are linear in the micro-batch, the pieces affine."""
-    kinds: dict[str, tuple[float, tuple, tuple]] = {}
-    terms1 = {}
-    for name, moe in (("dense", False), ("moe", True)) if shape.is_moe else (("dense", False),):
-        t0, t1 = (layer_activation_terms(shape, seq, b, moe, o) for b in (0, 1))
-        w0, w1 = (layer_backward_working_pieces(shape, seq, b, moe, o, t) for b, t in ((0, t0), (1, t1)))
-        kinds[name] = (sum(t1.values()), w0, tuple(b - a for a, b in zip(w0, w1, strict=True)))
-        terms1[name] = t1
-    if shape.is_hybrid:
-        # One block per layer (physics.mamba); the Mamba working set joins the GPT layer's.
-        sp_div = o.tp if o.sequence_parallel and o.tp > 1 else 1
-        tok1 = seq / o.cp
-        per_symbol = hybrid_layer_bytes(shape, terms1["dense"], terms1.get("moe"),
-                                        mamba_activation_bytes(shape, tok1, o.tp, o.fp8))
-        kinds.update({sym: (v, (), ()) for sym, v in per_symbol.items()})
-        if shape.num_mamba_layers:
-            w1 = mamba_backward_working_bytes(shape, tok1, o.tp, sp_div)
-            d = kinds["dense"]
-            kinds["dense"] = (d[0], (*d[1], 0.0), (*d[2], w1))
-    return kinds
-
-
 _MAX_PIECES = 6  # dense (2, + Mamba) and MoE (2) working-set pieces
 
 
 @lru_cache(maxsize=65536)
 def _stage_activations(shape: ModelShape, seq: int, o: ActivationOptions, layers: tuple[int, ...]) -> tuple:
     """(saved bytes per sample, working pieces (const), (slope)) of one rank's decoder layers."""
-    kinds = _layer_kinds(shape, seq, o)
+    kinds = layer_kinds(shape, seq, o)
     n_moe = sum(shape.moe_layer_pattern[i] for i in layers) if shape.is_moe else 0
     n_dense = len(layers) - n_moe
     if shape.is_hybrid:
-        saved = sum(kinds[shape.hybrid_layer_pattern[i]][0] for i in layers)
+        blocks = anatomy(shape).layers
+        saved = sum(kinds[blocks[i]][0] for i in layers)
     else:
         saved = n_dense * kinds["dense"][0] + n_moe * kinds.get("moe", kinds["dense"])[0]
     used = ([kinds["dense"]] if n_dense else []) + ([kinds["moe"]] if n_moe else [])
@@ -670,8 +338,8 @@ def _stage_activations(shape: ModelShape, seq: int, o: ActivationOptions, layers
 @lru_cache(maxsize=65536)
 def _activation_row(shape: ModelShape, seq: int, impl: Implementation, selective: bool, key: tuple[int, ...]) -> tuple:
     tp, pp, vp, cp, ep, etp, sp, fp8, first, last = key
-    o = _activation_options(impl, tp, cp, sp, fp8, ep, etp, selective)
-    kinds = _layer_kinds(shape, seq, o)
+    o = activation_options(impl, tp, cp, sp, fp8, ep, etp, selective)
+    kinds = layer_kinds(shape, seq, o)
     mtp_kind = kinds["moe"] if shape.is_moe and shape.moe_layer_pattern[-1] else kinds["dense"]
     out_fused = _out_fused(impl)
     saved, const, slope, mtp, dummies = [], [], [], [], []
@@ -724,9 +392,75 @@ def gradient_bytes_per_param(grad_reduce_in_fp32: bool) -> float:
     return 4.0 if grad_reduce_in_fp32 else 2.0
 
 
+def grads_in_fp32(impl: Implementation) -> bool:
+    """Whether the gradient buffer (and its reduction) is fp32. Megatron-FSDP ignores --grad-reduce-in-bf16:
+    its buffer takes --megatron-fsdp-main-grads-dtype, whose default 'auto' is the bf16 parameter dtype
+    (megatron_fsdp/param_and_grad_buffer.py _resolve_group_grad_dtype)."""
+    return impl.grad_reduce_in_fp32 and not impl.use_megatron_fsdp
+
+
 def model_state_bytes_per_param(grad_reduce_in_fp32: bool) -> float:
     """Weights + gradient buffer + optimizer state of one parameter held unsharded."""
     return WEIGHT_BYTES_PER_PARAM + gradient_bytes_per_param(grad_reduce_in_fp32) + OPTIMIZER_BYTES_PER_PARAM
+
+
+_STATE_DTYPE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0}
+
+
+def optimizer_bytes_per_param(impl: Implementation, fp8):
+    """Optimizer state per parameter (numbers or arrays of `fp8`): fp32 main weight + Adam m, v, or with
+    --use-precision-aware-optimizer the moments at --exp-avg(-sq)-dtype and the main weight as 16-bit
+    remainders of the bf16 weight wherever TE's FusedAdam holds it (no FP8 or delayed scaling; Megatron's
+    OptimizerConfig.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and store_param_remainders, default true;
+    distrib_optimizer.py allocates the master_param state as int16). Other FP8 recipes keep MCore's fp32 one."""
+    if not impl.use_precision_aware_optimizer:
+        return OPTIMIZER_BYTES_PER_PARAM + 0.0 * np.asarray(fp8, dtype=np.float64)
+    te_master = ~np.asarray(fp8, dtype=bool) | (impl.fp8_recipe == "delayed")
+    moments = _STATE_DTYPE_BYTES[impl.exp_avg_dtype] + _STATE_DTYPE_BYTES[impl.exp_avg_sq_dtype]
+    return np.where(te_master, 2.0, 4.0) + moments
+
+
+def _decoupled_grads(impl: Implementation, fp8) -> np.ndarray:
+    """Where the optimizer reads the bf16 gradient shard itself (precision-aware optimizer with TE's master
+    weights: `decoupled_grad`, distrib_optimizer._copy_model_grads_to_main_grads) instead of an fp32 copy."""
+    return impl.use_precision_aware_optimizer & (~np.asarray(fp8, dtype=bool) | (impl.fp8_recipe == "delayed"))
+
+
+@dataclass(frozen=True)
+class DpSharding:
+    """What the data-parallel group (DP x CP; routed experts: expert-DP) shards of each rank's model state.
+
+    DDP: nothing but, with the distributed optimizer, the optimizer state (ZeRO-1). torch FSDP2 (Megatron's
+    fully_shard with reshard_after_forward): everything. Megatron-FSDP: --data-parallel-sharding-strategy
+    (megatron_fsdp/param_and_grad_buffer.py _init_each_parameter_group_buffers: 'optim' distributes the
+    main-weight buffer, 'optim_grads' also the gradient buffer, 'optim_grads_params' also the bf16 weights);
+    the optimizer state follows the main weights. `optimizer` None = the row's use_distributed_optimizer.
+    `prefetch`: the implementation overlaps its gathers and reduce-scatters itself (torch FSDP2's forward and
+    backward prefetch); Megatron-FSDP does so only with --overlap-param-gather / --overlap-grad-reduce.
+    """
+
+    params: bool
+    grads: bool
+    optimizer: bool | None
+    prefetch: bool = False
+
+
+_MEGATRON_FSDP_SHARDING = {
+    "no_shard": DpSharding(False, False, False),
+    "optim": DpSharding(False, False, True),
+    "optim_grads": DpSharding(False, True, True),
+    "optim_grads_params": DpSharding(True, True, True),
+}
+
+
+def dp_sharding(impl: Implementation) -> DpSharding:
+    """The model state the plan's data-parallel implementation shards (one mechanism for FSDP2 and
+    Megatron-FSDP; physics.step_time times the collectives the same table implies)."""
+    if impl.use_megatron_fsdp:
+        return _MEGATRON_FSDP_SHARDING[impl.data_parallel_sharding_strategy]
+    if impl.use_torch_fsdp2:
+        return DpSharding(True, True, True, prefetch=True)
+    return DpSharding(False, False, None)
 
 
 def _out_fused(impl: Implementation) -> bool:
@@ -747,11 +481,16 @@ class _ModelState:
 
 
 def _model_state(b: LayoutBatch, st: StageTable) -> _ModelState:
-    """Weights, gradient buffer and optimizer state of each evaluated rank, and the step's temporaries."""
-    im = b.impl
+    """Weights, gradient buffer and optimizer state of each evaluated rank, and the step's temporaries.
+
+    A sharded buffer holds its dense part over DP x CP and its expert part over expert-DP (`DpSharding`);
+    sharded weights and gradients add the layers being gathered or reduced at the peak: the current and
+    the prefetched one (coarse: the FSDP unit is a transformer layer in both FSDP implementations)."""
+    im, shard = b.impl, dp_sharding(b.impl)
     n_params = st.dense_params + st.expert_params
     dp_opt, edp = b.dp * b.cp, b.expert_dp
-    grad_b = gradient_bytes_per_param(im.grad_reduce_in_fp32)
+    fp32_grads = grads_in_fp32(im)
+    grad_b = gradient_bytes_per_param(fp32_grads)
     mx = 1 / 16 if im.fp8_recipe == "mxfp8" else 0.0
     weights = WEIGHT_BYTES_PER_PARAM * n_params
     # TE caches the FP8 weight and its transpose for all microbatches of a step (with
@@ -759,21 +498,19 @@ def _model_state(b: LayoutBatch, st: StageTable) -> _ModelState:
     weights = weights + np.where(b.fp8 & (not im.fp8_param_gather), FP8_CACHE_BYTES_PER_PARAM * st.fp8_params * (1.0 + mx), 0.0)
     grads = grad_b * n_params
     sharded = st.dense_params / dp_opt + st.expert_params / edp
-    if im.use_torch_fsdp2:
-        # params, grads and optimizer state sharded over DP*CP; 2 layers unsharded in flight (coarse)
-        layer_params = n_params / np.maximum(1.0, st.layers)
-        weights = weights / dp_opt + 2 * WEIGHT_BYTES_PER_PARAM * layer_params
-        grads = grads / dp_opt + 2 * grad_b * layer_params
-        optim = OPTIMIZER_BYTES_PER_PARAM * n_params / dp_opt
-        held = sharded
-    else:
-        dist = b.use_distributed_optimizer
-        optim = np.where(dist, OPTIMIZER_BYTES_PER_PARAM * st.dense_params / dp_opt
-                         + OPTIMIZER_BYTES_PER_PARAM * st.expert_params / edp, OPTIMIZER_BYTES_PER_PARAM * n_params)
-        held = np.where(dist, sharded, n_params)
+    share = sharded / np.maximum(n_params, 1.0)  # the fraction of the rank's parameters one DP rank keeps
+    in_flight = 2 * n_params / np.maximum(1.0, st.layers)  # two layers unsharded
+    if shard.params:
+        weights = weights * share + WEIGHT_BYTES_PER_PARAM * in_flight
+    if shard.grads:
+        grads = grads * share + grad_b * in_flight
+    opt_sharded = b.use_distributed_optimizer if shard.optimizer is None else np.full(len(b), shard.optimizer)
+    held = np.where(opt_sharded, sharded, n_params)
+    optim = optimizer_bytes_per_param(im, b.fp8) * held
     # torch _multi_tensor_adam's sqrt(v) temporary per param group (local spec); fp32 copies of bf16
-    # grads for the main params (bf16 gradient buffer).
-    step = (4.0 * held if im.transformer_impl == "local" else 0.0) + (0.0 if im.grad_reduce_in_fp32 else 4.0 * held)
+    # grads for the main params (bf16 gradient buffer) unless the optimizer reads them directly.
+    fp32_copy = np.where(_decoupled_grads(im, b.fp8) | fp32_grads, 0.0, 4.0)
+    step = (4.0 * held if im.transformer_impl == "local" else 0.0) + fp32_copy * held
     return _ModelState(weights, grads, optim, step + np.zeros_like(weights))
 
 
@@ -1044,6 +781,11 @@ def _assumptions(im: Implementation) -> list[str]:
         out.append(f"{kind}: s x s scores saved; masked_softmax_fusion {im.masked_softmax_fusion} (kernel for 17-4096 "
                    f"tokens), attention_softmax_in_fp32 {im.attention_softmax_in_fp32} (Megatron-LM's default off: 2 B "
                    "per score, 6 B with fp32 softmax)")
-    if im.use_torch_fsdp2:
-        out.append("FSDP: params, grads and optimizer state sharded over DP*CP; 2 layers unsharded in flight (coarse)")
+    shard = dp_sharding(im)
+    if shard.params or shard.grads:
+        kind = (f"Megatron-FSDP {im.data_parallel_sharding_strategy}" if im.use_megatron_fsdp else "torch FSDP2")
+        out.append(f"{kind}: {'weights, ' if shard.params else ''}gradients and optimizer state sharded over DP*CP "
+                   "(experts over expert-DP); 2 layers unsharded in flight (coarse)")
+    if im.use_megatron_fsdp:
+        out.append("Megatron-FSDP keeps bf16 gradients (--megatron-fsdp-main-grads-dtype auto), whatever grad_reduce_in_fp32 says")
     return out

@@ -4,9 +4,11 @@ One function per part of Megatron-Core's MoELayer (megatron/core/transformer/moe
 (gating GEMM, top-k, the aux-loss scores, the expert bias), the token permute/unpermute (moe_utils.permute,
 fused or not), the routed experts (TEGroupedMLP's grouped GEMM at the real per-expert shape, or
 SequentialMLP's loop), the shared experts, the dispatcher's communication (alltoall, allgather, flex/DeepEP;
-NVLink inside a node, the NICs across nodes), the load on the busiest EP rank, and the kernels the host
-launches (CUDA graphs remove the captured parts' launches). `moe_layer` assembles them into the part dict
-step_time's layer model reads, and `moe_part_times` / `dominant_part` say where the layer's time goes.
+NVLink inside a node, the NICs across nodes), the load on the busiest EP rank, and what the host pays to
+launch each part (counted from Megatron-LM's traces; CUDA graphs remove the captured parts' launches) with
+the host syncs each dispatcher makes and the GPU's wait for the launches after them. `moe_layer` assembles
+them into the part dict step_time's layer model reads, and `moe_part_times` / `dominant_part` say where the
+layer's time goes.
 
 step_time imports this module, so this one takes step_time's primitives as a `MoeKit` instead of importing
 them (no import cycle).
@@ -42,27 +44,90 @@ AUX_LOSS_BYTES_PER_SCORE = 12.0
 for the loss (compute_routing_scores_for_aux_loss: softmax over all experts, read 4 + write 4 B) and sums
 them over tokens (read 4 B). Derived."""
 
-ROUTER_HOST_KERNELS = (9.0, 18.0)
-PERMUTE_HOST_KERNELS = {False: (12.0, 24.0), True: (2.0, 4.0)}
+# ---- host launches -------------------------------------------------------------------------------
+# Counted in step_time's host units (a dense layer launches `kernels_f` forward and `kernels_b` backward
+# of them; the reference layer's host time prices them). Source for every count below: rank-0
+# torch.profiler traces of Megatron-LM 0.19.2 + TE 2.20.2 on 4 x H100 (session s4, one step each; the
+# runs' plans in benchmarks/results/gpu_h100x4_runs.jsonl), per MoE layer and micro-batch (median over
+# the step's layers and micro-batches): the host time of each part's ops and the Python between them,
+# in units of the same trace's median TE Linear call (forward) / Linear backward node, converted to
+# host units with the dense traces (one dense layer = 21.2 Linear calls forward = 16 units and 13.7
+# Linear backward nodes = 38 units: i14_7_d13_te_s2k_mbs4 on one H100, dp4_distopt_overlap on 4).
+# Counts are chosen on the rows outside the held-out third (crc32(name) % 3 != 0): moe64top8_ep4_alltoall
+# and moe64top8_ep4_allgather (16 local experts); moe8top2_ep4_alltoall and moe8top2_ep2_alltoall_fp8delayed
+# (2 and 4 local experts, held out) check them.
+
+DENSE_MLP_HOST_SHARE = (0.27, 0.41)
+"""Share of a dense layer's host time (forward, backward) in its MLP: fc1 with its fused norm, the
+activation, fc2 and their weight-gradient nodes. Dense traces: 0.28 / 0.39 (d13, one H100), 0.26 / 0.43
+(dp4, 4 x H100). An MoE layer keeps the rest of the dense layer (attention, residual adds) plus a separate
+pre-MLP norm (PRE_MLP_NORM_HOST_KERNELS); a shared expert makes the same three module calls as the dense
+MLP (traces: 4.0 / 11.9 units against 4.3 / 15.6 at this share)."""
+
+PRE_MLP_NORM_HOST_KERNELS = (1.7, 3.3)
+"""The MoE layer's pre-MLP norm (TE's fused norm op; a dense layer fuses it into fc1's LayerNormLinear):
+forward call and backward node with its weight-gradient accumulation (traces: 1.8 / 3.2 and 1.6 / 3.5)."""
+
+ROUTER_HOST_KERNELS = (3.3, 8.0)
 AUX_LOSS_HOST_KERNELS = (4.0, 8.0)
 EXPERT_BIAS_HOST_KERNELS = (2.0, 0.0)
-"""Host launches (reference-layer launch units, as step_time counts a dense layer's kernels) of the
-router (gating GEMM + routing: 9 forward, twice that backward) and of permute + unpermute (unfused: 12;
-TE's fused kernels, --moe-permute-fusion: one per direction). Router + unfused permute = the 21 forward /
-42 backward launches the MoE layer carried before it was split into parts (fitted with the host floor on
-the one-GPU rows, benchmarks/throughput_accuracy.py --fit). The aux-loss scores and switch loss
-(switch_load_balancing_loss_func, MoEAuxLossAutoScaler) and the expert-bias update (the routing bias add
-and the tokens-per-expert accumulation of --moe-router-enable-expert-bias) are counted from
-moe_utils/router.py. benchmarks/results/gpu_h200x2_kernel_moe.jsonl ('moe_router', H200 host): the
-router's forward + backward took 0.7-0.9 ms without the aux loss and 1.2-1.4 ms with it at 4,096-16,384
-tokens, independent of size: launch-bound."""
+"""The router (TopKRouter: the gating GEMM's autograd function, then topk, softmax, casts, the two
+scatters of the probs and the routing map, moe_utils.topk_routing_with_score_function; backward their
+nodes + the gate's weight gradient): traces 3.5 / 7.5 and 3.1 / 8.4 units (each small torch op costs
+about a quarter of a TE module call). With an aux loss (not in the traces: counted from router.py /
+moe_utils.py) compute_routing_scores_for_aux_loss, get_tokens_per_expert_and_token_count,
+switch_load_balancing_loss_func and MoEAuxLossAutoScaler; with --moe-router-enable-expert-bias the bias
+add and the tokens-per-expert accumulation. benchmarks/results/gpu_h200x2_kernel_moe.jsonl ('moe_router',
+H200 host): forward + backward 0.7-0.9 ms without the aux loss, 1.2-1.4 ms with it, at any size."""
 
-PER_EXPERT_HOST_KERNELS = {True: (0.0, 6.0), False: (3.0, 5.0)}
-"""Per local expert: TE's GroupedLinear (moe_grouped_gemm) issues a cuBLAS GEMM per expert from one Python
-call (C++ launches, charged like backward kernels: 2 dgrad + 2 wgrad + their main_grad adds, 6 in all);
-SequentialMLP runs each expert's MLP module in a Python loop (fc1, activation, fc2 forward; 5 backward)."""
+PERMUTE_HOST_KERNELS = {False: (5.0, 6.0), True: (2.0, 4.0)}
+"""Token permute + unpermute (moe_utils.permute: argsort, remainder, index_select; unpermute: zeros +
+scatter_add; the allgather path's masked_select of the local probs): allgather trace 4.8 / 5.5 units.
+Fused (--moe-permute-fusion, TE's kernels; no plan field, not traced): one call per direction."""
 
-SHARED_EXPERT_HOST_KERNELS = (2.0, 4.0)
+DISPATCHER_HOST_KERNELS = {"alltoall": ((5.1, 12.9), (8.9, 9.1)), "allgather": ((3.4, 2.0), (3.3, 7.3)),
+                           "flex": ((3.4, 2.0), (3.3, 7.3))}
+"""(always, only with EP or ETP peers) host launches of each token dispatcher beyond the permute,
+token_dispatcher.py. alltoall (MoEAlltoAllTokenDispatcher), trace 14.0 / 22.0 units in all: always the
+tokens-per-expert count and its device-to-host copy on the side stream, sort_chunks_by_idxs over the
+(EP x local experts) chunks before and after the experts; with peers the counts' all-gather and the
+tokens', probs' and combine's all-to-alls (their autograd functions: 6.3 / 9.1 units in the trace) and
+the split bookkeeping (input/output splits, their three more copies to the host: about 60% of the
+preprocess' ops, 2.6 forward units). allgather, trace 6.7 / 9.3: always the local map/probs slices and
+tokens-per-expert; with peers the routing map, probs and tokens all-gathered over TP x EP and the
+combine's reduce-scatter (3.3 / 7.3). Without peers Megatron skips these calls or they return their
+input (mappings.all_to_all, MoEAllGatherTokenDispatcher.token_dispatch). flex (DeepEP / HybridEP: one
+fused dispatch and one fused combine call, setup_metadata's topk, indices-to-multihot): no trace yet;
+taken as the allgather's."""
+
+GROUPED_EXPERTS_HOST_KERNELS = (9.3, 23.5)
+PER_EXPERT_HOST_KERNELS = {True: (0.9, 4.6), False: (3.0, 5.0)}
+"""Routed experts. TEGroupedMLP (moe_grouped_gemm): two calls of TE's GroupedLinear + the weighted
+activation (fixed: traces 10.0 and 14.5 Linear calls forward, 5.4 and 11.5 backward nodes beyond the
+per-expert share) and per local expert: TE's general_grouped_gemm issues one cuBLAS GEMM per expert and
+per GEMM input (the host time between successive GEMM launches inside the call: 0.67 / 0.49 Linear calls
+per expert and call forward; 2 launches backward, dgrad + wgrad, 0.69 / 0.70 Linear backward nodes per
+expert and call) plus the two expert weights' gradient-accumulation nodes (every expert's weight is its
+own parameter). Held-out check, 2 local experts (moe8top2_ep4_alltoall): 14.5 / 11.8 predicted against
+13.3 / 11.5 measured (Linear units). SequentialMLP runs each expert's MLP module in a Python loop (fc1,
+activation, fc2 forward; 5 backward; not traced)."""
+
+MOE_HOST_SYNCS = {"alltoall": 1.0, "allgather": 2.0, "flex": 1.0}
+"""Host syncs per MoE layer and micro-batch (forward; the backward has none: no cudaStreamSynchronize,
+cudaEventSynchronize or blocking copy on the autograd thread of any trace). alltoall: the token counts
+copied to the host on the side stream and `d2h_event.synchronize()` before the first all-to-all
+(_maybe_dtoh_and_synchronize; traces: 47 cudaEventSynchronize per step = 12 layers x 4 micro-batches less
+one outside the window). allgather: `local_map.sum(dim=0).long().cpu()` for tokens_per_expert and the
+`masked_select` of the local probs, whose output size is read back (dispatch_postprocess; trace: 100
+cudaStreamSynchronize per step, 96 of them in the MoE layers). flex: DeepEP's dispatch waits on the host
+for the received token counts (fused_a2a.fused_dispatch returns them as a host list). A layer captured
+whole in a CUDA graph (cuda_graph_modules 'moe', which needs drop-and-pad) syncs nowhere."""
+
+POST_SYNC_HOST_SHARE = 0.5
+"""Share of the dispatcher's always-made work and the permute the host issues after the sync; all of the
+collectives and the experts come after it. Call order in token_dispatcher.py (alltoall): the counts and
+their copies and permute 1 come before the sync, both sort_chunks_by_idxs and the unpermute after it:
+(3.3 of the dispatcher's 5.1 forward units + about 0.3 of the permute's 5, by op count) / 10.1 = 0.48."""
 
 GRAPHED_LAUNCHES = 1.0
 """A captured part replays as one graph launch (torch.cuda.CUDAGraph.replay)."""
@@ -145,8 +210,10 @@ def experts(c, kit: MoeKit) -> dict:
     w_exp = local * kit.local_weights(lw, c.etp) + h * float(shape.num_experts)  # routed experts + router
     acc = kit.wgrad_s(w_exp, len(lw) * local + 1.0, impl, c.bw, c.bw_ew)
     per_f, per_b = PER_EXPERT_HOST_KERNELS[bool(grouped)]
+    fix_f, fix_b = GROUPED_EXPERTS_HOST_KERNELS if grouped else (0.0, 0.0)
     return {"gemm_f": n * (fc1[0] + fc2[0]), "gemm_b": n * (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
-            "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "kernels": (per_f * local, per_b * local)}
+            "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp,
+            "kernels": (fix_f + per_f * local, fix_b + per_b * local)}
 
 
 def shared_experts(c, kit: MoeKit) -> dict:
@@ -154,13 +221,13 @@ def shared_experts(c, kit: MoeKit) -> dict:
     shape = c.shape
     fsh = float(shape.moe_shared_expert_intermediate_size)
     if fsh <= 0:
-        return {"gemm_f": 0.0, "gemm_b": 0.0, "ew_f": 0.0, "ew_b": 0.0, "acc_b": 0.0, "kernels": (0.0, 0.0)}
+        return {"gemm_f": 0.0, "gemm_b": 0.0, "ew_f": 0.0, "ew_b": 0.0, "acc_b": 0.0, "mlp_calls": 0.0}
     lw = linear_weights(shape)["shared_expert"]
     sh1, sh2 = kit.linears(c, lw)
     act = c.T * (3.0 if shape.swiglu else 2.0) * fsh / c.tp * 2 / c.bw_ew
     acc = kit.wgrad_s(kit.local_weights(lw, c.tp), len(lw), c.impl, c.bw, c.bw_ew)
     return {"gemm_f": sh1[0] + sh2[0], "gemm_b": sh1[1] + sh1[2] + sh2[1] + sh2[2], "ew_f": act, "ew_b": 2.0 * act,
-            "acc_b": acc, "kernels": SHARED_EXPERT_HOST_KERNELS}
+            "acc_b": acc, "mlp_calls": 1.0}  # host launches: a dense MLP's (DENSE_MLP_HOST_SHARE, host_kernels)
 
 
 def dispatch_s(c, kit: MoeKit) -> Any:
@@ -190,27 +257,70 @@ def dispatch_s(c, kit: MoeKit) -> Any:
     return np.where(ep > 1, a2a, 0.0)
 
 
+def dispatcher_kernels(c) -> tuple:
+    """(always, with peers) host launches of the token dispatcher beyond the permute, each (forward,
+    backward): DISPATCHER_HOST_KERNELS, the second only where EP x ETP has peers."""
+    local, coll = DISPATCHER_HOST_KERNELS[c.impl.moe_dispatcher]
+    peers = np.where(c.ep * c.etp > 1, 1.0, 0.0)
+    return local, (coll[0] * peers, coll[1] * peers)
+
+
+def attention_part_kernels(L) -> tuple:
+    """(forward, backward) launches of an MoE layer outside its MoE block: a dense layer's less its MLP
+    (DENSE_MLP_HOST_SHARE) plus the separate pre-MLP norm (PRE_MLP_NORM_HOST_KERNELS)."""
+    (share_f, share_b), (norm_f, norm_b) = DENSE_MLP_HOST_SHARE, PRE_MLP_NORM_HOST_KERNELS
+    return (1.0 - share_f) * L.dense["kernels_f"] + norm_f, (1.0 - share_b) * L.dense["kernels_b"] + norm_b
+
+
+def _graphed(impl) -> set:
+    """The layer parts a CUDA graph captures (cuda_graph_impl + cuda_graph_modules; none listed = the
+    whole layer; full_iteration = everything), empty without graphs."""
+    if impl.cuda_graph_impl == "none":
+        return set()
+    if impl.cuda_graph_impl == "full_iteration":
+        return {"attn", "moe"}
+    return set(impl.cuda_graph_modules) or {"attn", "moe"}
+
+
+def host_pieces(c, L, parts: dict) -> list:
+    """[(captured by, (forward, backward) launches)] of one MoE layer and micro-batch: the attention
+    part ('attn'), router + shared experts ('moe_router'), permute + the dispatcher's local work
+    ('moe_preprocess'), the dispatcher's collectives + routed experts ('moe' only)."""
+    r, ex = parts["router"]["kernels"], parts["experts"]["kernels"]
+    mlp = parts["shared"]["mlp_calls"]
+    sh_f, sh_b = mlp * DENSE_MLP_HOST_SHARE[0] * L.dense["kernels_f"], mlp * DENSE_MLP_HOST_SHARE[1] * L.dense["kernels_b"]
+    pm = parts["permute"]["kernels"]
+    local, coll = dispatcher_kernels(c)
+    return [(("attn",), attention_part_kernels(L)),
+            (("moe", "moe_router"), (r[0] + sh_f, r[1] + sh_b)),
+            (("moe", "moe_preprocess"), (pm[0] + local[0], pm[1] + local[1])),
+            (("moe",), (coll[0] + ex[0], coll[1] + ex[1]))]
+
+
 def host_kernels(c, L, parts: dict) -> tuple:
-    """(forward, backward) launches of one MoE layer and micro-batch as the host pays for them: the
-    attention half of a dense layer and every MoE part, each captured part (cuda_graph_impl with
-    cuda_graph_modules: 'attn', 'moe_router' (router + shared experts), 'moe_preprocess' (the
-    permute), 'moe' (the whole MoE block); none listed = the whole layer) replaced by one launch."""
-    impl = c.impl
-    graphs = impl.cuda_graph_impl
-    mods = set(impl.cuda_graph_modules) or {"attn", "moe"}
-    if graphs == "full_iteration":
-        mods = {"attn", "moe"}
-    on = graphs != "none"
+    """(forward, backward) launches of one MoE layer and micro-batch as the host pays for them
+    (host_pieces), each piece a CUDA graph captures replaced by one launch (GRAPHED_LAUNCHES)."""
+    mods = _graphed(c.impl)
+    kf = kb = 0.0
+    for names, (f, b) in host_pieces(c, L, parts):
+        captured = bool(mods & set(names))
+        kf, kb = kf + (GRAPHED_LAUNCHES if captured else f), kb + (GRAPHED_LAUNCHES if captured else b)
+    return kf, kb
 
-    def cost(names: tuple[str, ...], kernels: tuple) -> tuple:
-        captured = on and bool(mods & set(names)) and (kernels[0] > 0 or kernels[1] > 0)
-        return (GRAPHED_LAUNCHES, GRAPHED_LAUNCHES) if captured else kernels
 
-    attn_half = (0.5 * L.dense["kernels_f"], 0.5 * L.dense["kernels_b"])
-    r, sh = parts["router"]["kernels"], parts["shared"]["kernels"]
-    pieces = [cost(("attn",), attn_half), cost(("moe", "moe_router"), (r[0] + sh[0], r[1] + sh[1])),
-              cost(("moe", "moe_preprocess"), parts["permute"]["kernels"]), cost(("moe",), parts["experts"]["kernels"])]
-    return sum(p[0] for p in pieces), sum(p[1] for p in pieces)
+def host_syncs_per_layer(impl) -> float:
+    """Host syncs per MoE layer and micro-batch (MOE_HOST_SYNCS; none in a layer captured whole)."""
+    return 0.0 if "moe" in _graphed(impl) else MOE_HOST_SYNCS[impl.moe_dispatcher]
+
+
+def post_sync_kernels_f(c, parts: dict) -> Any:
+    """Forward launches the host issues after the dispatcher's sync (POST_SYNC_HOST_SHARE): the GPU queue
+    is empty at the sync, so these cannot hide behind earlier work; 0 where the sync is gone."""
+    if host_syncs_per_layer(c.impl) == 0:
+        return 0.0
+    local, coll = dispatcher_kernels(c)
+    before = POST_SYNC_HOST_SHARE * (local[0] + parts["permute"]["kernels"][0])
+    return before + coll[0] + parts["experts"]["kernels"][0]
 
 
 def moe_parts(c, kit: MoeKit) -> dict:
@@ -236,7 +346,8 @@ def moe_layer(c, L, kit: MoeKit) -> dict:
     """One MoE layer: the attention half of the dense layer `L` + router, dispatch, experts, combine.
     Returns the part dict step_time's layer model reads (gemm/attn/ew/tp/cp/ep x f/b, host kernels,
     the recompute pieces) plus 'moe_parts': moe_part_times and 'host_wait', the GPU's wait for the host's
-    launches beyond the layer's GPU work (attention half included)."""
+    launches beyond the layer's GPU work (attention half included) or, where longer, after the
+    dispatcher's sync ('sync_wait_f': post_sync_kernels_f against the GPU work they launch)."""
     parts = moe_parts(c, kit)
     r, pm, ex, sh = parts["router"], parts["permute"], parts["experts"], parts["shared"]
     # the attention half of a dense layer's elementwise bytes (norm, residual, RoPE; not the MLP activation)
@@ -250,8 +361,11 @@ def moe_layer(c, L, kit: MoeKit) -> dict:
     times = moe_part_times(parts)
     gpu = (L.attn.gemm_f + L.attn.gemm_b + L.dense["attn_f"] + L.dense["attn_b"] + L.tpa[0] + L.tpa[1]
            + L.dense["cp_f"] + L.dense["cp_b"] + ew_attn_half * 3.0 + sum(times.values()))
-    # the GPU waits for the host only where launching the layer takes longer than running it
-    times["host_wait"] = np.maximum(0.0, c.host_f * kf + c.host_b * kb - gpu)
+    # the GPU waits for the host where launching the layer takes longer than running it, and at least
+    # where the launches after the dispatcher's sync take longer than the work they launch
+    gpu_post = ex["gemm_f"] + ex["ew_f"] + pm["ew_f"] + comm
+    sync_wait = np.maximum(0.0, c.host_f * post_sync_kernels_f(c, parts) - gpu_post)
+    times["host_wait"] = np.maximum(np.maximum(0.0, c.host_f * kf + c.host_b * kb - gpu), sync_wait)
     return {
         "kernels_f": kf, "kernels_b": kb,
         "gemm_f": L.attn.gemm_f + ex["gemm_f"] + sh["gemm_f"] + r["gemm_f"],
@@ -265,6 +379,8 @@ def moe_layer(c, L, kit: MoeKit) -> dict:
         "moe_act_f": ex["ew_f"],
         "shared_f": sh["gemm_f"] + sh["ew_f"],
         "moe_parts": times,
+        # GPU idle per micro-batch after the dispatcher's host sync (forward), not hidden by queued work
+        "sync_wait_f": sync_wait,
     }
 
 
@@ -276,5 +392,6 @@ def dominant_part(times: dict) -> tuple[str, float]:
     return name, (vals[name] / total if total > 0 else 0.0)
 
 
-__all__ = ["MoeKit", "dispatch_s", "dominant_part", "experts", "host_kernels", "moe_layer", "moe_part_times",
-           "moe_parts", "permute", "router", "shared_experts", "tokens_per_expert"]
+__all__ = ["MoeKit", "attention_part_kernels", "dispatch_s", "dispatcher_kernels", "dominant_part", "experts",
+           "host_kernels", "host_pieces", "host_syncs_per_layer", "moe_layer", "moe_part_times", "moe_parts", "permute",
+           "post_sync_kernels_f", "router", "shared_experts", "tokens_per_expert"]

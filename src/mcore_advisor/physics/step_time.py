@@ -90,8 +90,11 @@ from mcore_advisor.physics.layouts import RECOMPUTE_FULL, Implementation, Layout
 from mcore_advisor.physics.mamba import MambaTiming, hybrid_kinds, mamba_layer_parts
 from mcore_advisor.physics.memory import (
     WEIGHT_BYTES_PER_PARAM,
+    DpSharding,
+    dp_sharding,
     fused_softmax_kernel,
     gradient_bytes_per_param,
+    grads_in_fp32,
     stage_table,
 )
 from mcore_advisor.physics.moe import MoeKit, dominant_part, moe_layer
@@ -243,6 +246,15 @@ reduce-scatter beside qkv/fc1 wgrad. UB_FP8_ALL_GATHER: with an FP8 recipe the a
 qkv_dgrad, proj_dgrad, fc1_fprop, fc1_dgrad, fc2_dgrad) hold FP8 (1 B per element), the reduce-scatters bf16
 (fp8_buf in the same function)."""
 
+UB_GEMM_STRETCH = 1.24
+"""GEMM time beside userbuffers' overlap over the same GEMMs without it. The overlapped GEMMs are split
+(ring exchange: tp chunks; pipeline: UB_PIPELINE_SPLITS) and share the SMs with the pipelined/bulk
+communication kernels, which hold their SMs for the GEMM's whole length: measured on 4 x H100 (s5,
+benchmarks/results/gpu_h100x4_L_summary.md): rank-0 GEMM kernel time 578 ms with --tp-comm-overlap against
+482 ms without (L_tp4_sp_tpoverlap vs L_tp4_sp, Llama-3-8B layers, TP4 SP, micro-batch 8), +19.8% of all
+GEMM time, of which the overlapped GEMMs (every TP GEMM but the row-parallel wgrads; not the output
+layer) are 82%: 1 + 0.198 / 0.82. One pair of rows, bf16, TP4; not fitted on any held-out row."""
+
 COLLECTIVE_LATENCY_S = 10e-6
 NVLINK_HOP_LATENCY_S = 1e-6
 NETWORK_HOP_LATENCY_S = 5e-6
@@ -274,6 +286,21 @@ so the per-step cost stays ITERATION_OVERHEAD_S)."""
 
 HOST_BOUND_FLAG = 0.10
 """Share of the step the GPU waits for the host above which a prediction is called host-bound."""
+
+HOST_PROBE_TO_LAYER = 1.0
+"""Host time of the reference layer inside Megatron-LM's training loop over the profile job's host probe
+(launcher/entry/host_probe.py: TE's TransformerLayer at the reference layer's sizes on 128 tokens, every
+local rank at once, after training). Taken as 1: Megatron's TE layer issues the same TE modules, and
+its extra Python (bias-dropout-add, RoPE, DDP hooks) was not separable on the lease that introduced the
+probe (s5, 4 x H100 VM: probes 5.0-16.2 ms per rank-slowest, median 8.4, against the 7.3-11.9 ms per
+reference layer that s4's host-bound dense rows on the same kind of VM imply). With each row's own
+probe the s5 rows' step-time error is 2.9% median held-out / 7.4% fitted; with the catalog's one-GPU
+VM figure (5.5) instead, 4.5% / 18.3% (benchmarks/results/gpu_h100x4_L_summary.md)."""
+
+
+def host_floor_from_probe(probe_ms_per_layer: float) -> float:
+    """host_floor_ms_per_layer for a machine whose host probe measured `probe_ms_per_layer`."""
+    return HOST_PROBE_TO_LAYER * probe_ms_per_layer
 
 ITERATION_OVERHEAD_S = 0.005
 """Per-iteration fixed cost outside the schedule on a host fast enough to add no host term: loss
@@ -526,6 +553,7 @@ class _Impl:
     recompute_modules: tuple[str, ...] = ("core_attn",)
     cuda_graph_impl: str = "none"
     cuda_graph_modules: tuple[str, ...] = ()
+    dp_sharding: DpSharding = DpSharding(False, False, None)  # what DP shards: physics.memory.dp_sharding
 
 
 def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
@@ -544,7 +572,7 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         bias_activation_fused=im.bias_activation_fusion,
         bias_dropout_fused=im.bias_dropout_fusion,
         nan_checks=im.check_for_nan_in_loss_and_grad,
-        grad_reduce_in_fp32=im.grad_reduce_in_fp32,
+        grad_reduce_in_fp32=grads_in_fp32(im),
         grad_acc_fusion=bool(im.gradient_accumulation_fusion),
         moe_dispatcher=im.moe_token_dispatcher_type,
         # the local spec's experts are always SequentialMLP (LocalSpecProvider.grouped_mlp_modules)
@@ -553,6 +581,7 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         recompute_modules=im.recompute_modules if im.recompute_modules is not None else ("core_attn",),
         cuda_graph_impl=im.cuda_graph_impl,
         cuda_graph_modules=im.cuda_graph_modules,
+        dp_sharding=dp_sharding(im),
     )
 
 
@@ -903,14 +932,16 @@ class _TpComm:
         nothing exposed while each peer send is shorter than the GEMM of the chunk in hand (copy engines: no
         SMs taken); the reduce-scatter after the row GEMM pipelined in UB_PIPELINE_SPLITS, its last split
         exposed; bulk overlap of the input re-gather with the column dgrad and of the dgrad reduce-scatter with
-        the column wgrad. Pipelined and bulk kernels hold UB_COMM_SMS SMs while they run."""
-        c, ag, ag_ub = self.c, self.ag, self.ag_ub
-        sm = UB_COMM_SMS / float(c.hw.num_sms)
+        the column wgrad. The overlapped GEMMs stretch by UB_GEMM_STRETCH (their split and the SMs the
+        pipelined and bulk kernels hold, UB_COMM_SMS)."""
+        ag, ag_ub = self.ag, self.ag_ub
         tail = 1.0 / UB_PIPELINE_SPLITS
-        rs_f = tail * ag + _hide((1.0 - tail) * ag, (1.0 - tail) * row_fwd, sm)
-        fwd = _hide(in_share * ag_ub, col_fwd, 0.0) + rs_f
-        bwd = (_hide(ag_ub, row_dgrad, 0.0) + _hide(in_share * ag_ub, col_dgrad, sm)
-               + _hide(in_share * ag, col_wgrad, sm))
+        # the GEMMs beside userbuffers kernels run UB_GEMM_STRETCH longer (split, SMs shared): booked here
+        stretch = UB_GEMM_STRETCH - 1.0
+        rs_f = tail * ag + _hide((1.0 - tail) * ag, (1.0 - tail) * row_fwd, 0.0)
+        fwd = _hide(in_share * ag_ub, col_fwd, 0.0) + rs_f + stretch * (col_fwd + row_fwd)
+        bwd = (_hide(ag_ub, row_dgrad, 0.0) + _hide(in_share * ag_ub, col_dgrad, 0.0)
+               + _hide(in_share * ag, col_wgrad, 0.0) + stretch * (row_dgrad + col_dgrad + col_wgrad))
         return fwd, bwd
 
 
@@ -1210,21 +1241,24 @@ def _data_parallel(c: _Ctx, lay: _LayerAverage) -> tuple:
 
     Every evaluated rank reduces the gradients of its own parameters (physics.memory.rank_params,
     embedding and output layer where they are) over DP x CP (experts over expert-DP) and, with the
-    distributed optimizer, all-gathers them; overlap hides all but the last bucket behind one
-    micro-batch's backward (forward) of the rank's own layers. Tied embeddings with PP > 1: the
-    first and last stage also all-reduce the embedding gradient (finalize_model_grads).
+    optimizer state sharded, all-gathers them; overlap hides all but the last bucket behind one
+    micro-batch's backward (forward) of the rank's own layers. Sharded gradients (FSDP, Megatron-FSDP
+    optim_grads*) are reduce-scattered every micro-batch and sharded weights (FSDP2, optim_grads_params)
+    all-gathered for every micro-batch's forward and again for its backward (`_fsdp_exposed`). Tied
+    embeddings with PP > 1: the first and last stage also all-reduce the embedding gradient.
     """
-    st, impl, shape = c.stages, c.impl, c.shape
+    st, impl, shape, sh = c.stages, c.impl, c.shape, c.impl.dp_sharding
     P_dense, P_exp = st.dense_params, st.expert_params
     dpc = c.dp * c.cp  # Megatron reduces grads over the dp x cp group and shards the optimizer over it
     g_bytes = gradient_bytes_per_param(impl.grad_reduce_in_fp32)
     p_bytes = 1.0 if impl.fp8_param_gather and c.fp8 else WEIGHT_BYTES_PER_PARAM
     d_bw, d_lat = c.link(c.tp, dpc)
     e_bw, e_lat = c.link(c.etp * c.ep, c.edp)
-    grad_steps = np.where(c.dist_opt > 0, 1.0, 2.0)  # reduce-scatter vs all-reduce
+    opt_shard = c.dist_opt > 0 if sh.optimizer is None else np.full(np.shape(c.dist_opt), sh.optimizer)
+    grad_steps = np.where(opt_shard, 1.0, 2.0)  # reduce-scatter vs all-reduce
     has_exp = 1.0 if shape.is_moe else 0.0
     t_grad = _ring_s(P_dense * g_bytes, dpc, d_bw, d_lat, grad_steps) + has_exp * _ring_s(P_exp * g_bytes, c.edp, e_bw, e_lat, grad_steps)
-    t_param = np.where(c.dist_opt > 0, _ring_s(P_dense * p_bytes, dpc, d_bw, d_lat) + has_exp * _ring_s(P_exp * p_bytes, c.edp, e_bw, e_lat), 0.0)
+    t_param = np.where(opt_shard, _ring_s(P_dense * p_bytes, dpc, d_bw, d_lat) + has_exp * _ring_s(P_exp * p_bytes, c.edp, e_bw, e_lat), 0.0)
     P_total = P_dense + P_exp
     bucket_frac = np.minimum(1.0, np.maximum(_BUCKET_MIN_PARAMS, _BUCKET_PARAMS_PER_DP * dpc) / np.maximum(P_total, 1.0))
     # Overlap windows (wall-clock: a host-bound layer's launch gaps stretch them too). Megatron syncs each
@@ -1243,14 +1277,43 @@ def _data_parallel(c: _Ctx, lay: _LayerAverage) -> tuple:
     grad_exp, param_exp = exposed(t_grad, lay.bwd + lay.rc), exposed(t_param, lay.fwd)
     grad_exposed = np.where(c.overlap_grad > 0, grad_exp + OVERLAP_SM_TAX * (t_grad - grad_exp), t_grad)
     param_exposed = np.where(c.overlap_param > 0, param_exp + OVERLAP_SM_TAX * (t_param - param_exp), t_param)
+    if sh.grads or sh.params:
+        grad_exposed, param_exposed = _fsdp_exposed(c, lay, st.layers * stretch, (t_grad, t_param),
+                                                    (grad_exposed, param_exposed))
     syncs = (c.pp > 1) & (st.first | st.last) & (not shape.untie_embeddings_and_output_weights)
     emb_sync = np.where(syncs, _ring_s(st.padded_vocab * float(shape.hidden_size) / c.tp * g_bytes, 2.0,
                                        *c.link(c.tp * c.cp * c.dp, 2.0), 2.0), 0.0)
     dp_exposed = grad_exposed + param_exposed + emb_sync
-    shard = np.where(c.dist_opt > 0, P_dense / dpc + P_exp / c.edp, P_total)
+    shard = np.where(opt_shard, P_dense / dpc + P_exp / c.edp, P_total)
     t_opt = (shard * ADAM_BYTES_PER_PARAM + P_total * g_bytes) / c.bw_st + 20 * KERNEL_LAUNCH_S  # + zeroing the grad buffer
     slot = np.argmax(dp_exposed + t_opt, axis=0)[None, :]
     return np.take_along_axis(dp_exposed, slot, axis=0)[0], np.take_along_axis(t_opt, slot, axis=0)[0]
+
+
+def _fsdp_exposed(c: _Ctx, lay: _LayerAverage, layers, times: tuple, step_end: tuple) -> tuple:
+    """(grad, param) exposed seconds per step when DP shards gradients and/or weights (physics.memory.dp_sharding).
+
+    Sharded gradients: each FSDP unit's gradient is reduce-scattered into its shard as its backward ends,
+    every micro-batch (no unsharded buffer to accumulate in). Sharded weights: each unit is all-gathered
+    before its forward and again before its backward (resharded after forward), every micro-batch, with the
+    next unit prefetched behind the current one's compute, so per micro-batch and direction one unit's
+    share never hides and the rest hides behind the rank's layers (`layers`: wall-clock layer units).
+    The end-of-step collectives of what stays unsharded keep their `step_end` exposure."""
+    sh = c.impl.dp_sharding
+    t_grad, t_param = times
+    units = np.maximum(c.stages.layers, 1.0)
+
+    def per_microbatch(t, compute, on):
+        hidden = np.maximum(t / units, t - compute)
+        return c.m * np.where((on > 0) | sh.prefetch, hidden + OVERLAP_SM_TAX * (t - hidden), t)
+
+    grad_exposed = per_microbatch(t_grad, layers * (lay.bwd + lay.rc), c.overlap_grad) if sh.grads else step_end[0]
+    if not sh.params:
+        return grad_exposed, step_end[1]
+    # t_param is one all-gather of the rank's parameters (it is 0 where the optimizer is unsharded; FSDP shards it)
+    param_exposed = (per_microbatch(t_param, layers * lay.fwd, c.overlap_param)
+                     + per_microbatch(t_param, layers * (lay.bwd + lay.rc), c.overlap_param))
+    return grad_exposed, param_exposed
 
 
 # ---- host syncs and per-step host work ---------------------------------------------------------
@@ -1431,8 +1494,10 @@ def _assumptions(plan: Plan, hw: HardwareParams) -> list[str]:
     if plan.model.num_experts or resolve_model(plan.model).is_moe:
         out.append("MoE routing timed as balanced (physics.moe.ROUTING_IMBALANCE); token permute unfused (Megatron's "
                    "default); no all-to-all/compute overlap (--overlap-moe-expert-parallel-comm is not a plan field)")
-    if im.use_torch_fsdp2:
-        out.append("FSDP timed as distributed optimizer + overlapped param all-gather (not modelled in detail)")
+    if im.use_torch_fsdp2 or im.use_megatron_fsdp:
+        kind = f"Megatron-FSDP {im.data_parallel_sharding_strategy}" if im.use_megatron_fsdp else "torch FSDP2"
+        out.append(f"{kind}: sharded gradients reduce-scattered and sharded weights all-gathered (forward and "
+                   "backward) every micro-batch, one layer's share exposed per micro-batch and direction")
     return out
 
 

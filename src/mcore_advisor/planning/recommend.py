@@ -43,6 +43,7 @@ from mcore_advisor.planning.search import (
     Fixed,
     SearchInputs,
     SearchOutcome,
+    chunk_layers,
     search,
     space_size,
 )
@@ -58,7 +59,6 @@ from mcore_advisor.schemas import (
     ParallelismSpec,
     Plan,
     TrainingSpec,
-    layers_per_stage,
     with_changes,
 )
 from mcore_advisor.validators import validate
@@ -66,12 +66,17 @@ from mcore_advisor.validators import validate
 _INPUT = ConfigDict(extra="forbid", frozen=True)
 _RESULT = ConfigDict(frozen=True)
 
-MAX_LAYOUTS = 20_000
+MAX_LAYOUTS = 40_000
 """Layouts the main search of one call may enumerate. Each costs 0.05-0.4 ms of CPU (measured on a
 2-core host: Qwen3-30B-A3B on 16,384 GPUs enumerates 135,152 and took 16 s; DeepSeek-V3 on 16,384,
 38,898 and 4.9 s; GPT-OSS-20B on 256, 19,464 and 3.5 s). Over it the quicker space is searched
-instead, and a note says so. The largest published run the quality benchmark searches enumerates
-15,408 (Qwen3-235B-A22B on 256), so none of them is affected."""
+instead, and a note says so. 40,000 since the embedding/loss-aware split (planning/search.py
+pipeline_splits) gave layer counts that do not divide over PP the VP choices of an even split, doubling
+MoE spaces (Moonlight-16B-A3B on 1,024 GPUs: 12,740 -> 24,500 layouts): under the old 20,000 such searches
+fell to the quicker space and lost ETP2 (7,361 vs 7,475 tokens/s/GPU); at 40,000 they stay in the full one,
+cut at SEARCH_CPU_BUDGET_S with a CPU clock (84 calls of 12 MoE/dense models: at most 4.1 s CPU), uncut up
+to 6.4 s a call (DeepSeek-V2-Lite on 4,096 GPUs, 36,638 layouts). Of the published runs the quality benchmark
+searches, Qwen3-235B-A22B on 256 GPUs (52,208 layouts) is searched in the quicker space."""
 MAX_FOLLOW_UP_LAYOUTS = 20_000
 """Layouts all follow-up quick searches of one call (what-ifs, no-fit suggestions) may enumerate together."""
 QUICK_SPACE = "TP within a node, ETP 1 or TP, CP a power of two, SP on, micro-batch <= 8, distributed optimizer on"
@@ -189,11 +194,13 @@ class RecommendRequest(BaseModel):
     precision: Literal["bf16", "fp8"] = Field("bf16", description="Training precision; 'fp8' = Transformer Engine FP8 GEMMs (Hopper or newer).")
     allow_fp8: bool = Field(False, description="With precision 'bf16', also consider FP8 and recommend it when faster (needs a GPU with FP8 and Transformer Engine).")
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = Field("delayed", description="FP8 scaling recipe for FP8 candidates (--fp8-recipe).")
+    fp8_param_gather: bool = Field(False, description="FP8 candidates keep their weights in FP8 and all-gather them in FP8 (--fp8-param-gather, as Megatron-Bridge's FP8 current-scaling recipe does; needs the distributed optimizer).")
     fixed: FixedParallelism = Field(default_factory=FixedParallelism, description="Dimensions to pin (partial ParallelismSpec names, plus data_parallel_size and micro_batch_size).")
     max_tensor_model_parallel_size: int | None = Field(None, ge=1, le=_le(ParallelismSpec, "tensor_model_parallel_size"), description="Upper bound on TP (and on ETP); None = no bound beyond the model's divisibility.")
     min_headroom_gib: float = Field(0.0, ge=0, description="Memory that must stay free on the most-loaded GPU, GiB, on top of the memory model's fragmentation and CUDA-context allowances.")
     min_headroom_fraction: float = Field(LOW_HEADROOM_FRACTION, ge=0, le=0.5, description="The same as a fraction of GPU capacity (default: the 5% below which estimate_memory suggests changes, for routing imbalance and data-dependent peaks); the larger of the two applies.")
     allow_recompute: bool = Field(True, description="Allow activation recomputation (selective or full); False = none.")
+    allow_tp_comm_overlap: bool = Field(True, description="Turn on TP communication overlap (--tp-comm-overlap: Transformer Engine userbuffers) in every plan where it can run (Transformer Engine, sequence parallel, TP > 1 within one node); False = TP/SP collectives run exposed, as without the flag.")
     transformer_impl: Literal["transformer_engine", "local"] | None = Field(None, description="Layer spec; None = implementation.transformer_impl (Transformer Engine by default).")
     implementation: ImplementationSpec = Field(default_factory=ImplementationSpec, description="Kernel and buffer choices held fixed during the search (with use_torch_fsdp2 the search covers FSDP2 layouts: no PP, EP or distributed optimizer).")
     top_k: int = Field(5, ge=1, le=20, description="How many plans (distinct TP/PP/CP/EP/ETP/precision layouts) to return.")
@@ -211,6 +218,11 @@ class RecommendRequest(BaseModel):
             v = getattr(fx, name)
             if mt is not None and v is not None and v > mt:
                 raise ValueError(f"fixed.{name} ({v}) exceeds max_tensor_model_parallel_size ({mt}); change one of them")
+        if self.fp8_param_gather and self.precision == "bf16" and not self.allow_fp8:
+            raise ValueError("fp8_param_gather applies to FP8 plans: set precision 'fp8' (or allow_fp8 true), or fp8_param_gather false")
+        if self.fp8_param_gather and fx.use_distributed_optimizer is False:
+            raise ValueError("fp8_param_gather needs the distributed optimizer (Megatron-LM validate_args): unpin "
+                             "fixed.use_distributed_optimizer, or set fp8_param_gather false")
         if not self.allow_recompute and self.fixed.recompute_granularity not in (None, "none"):
             raise ValueError("allow_recompute is false but fixed.recompute_granularity asks for recompute; change one of them")
         return self
@@ -466,11 +478,7 @@ def _recommend(request: RecommendRequest, shape: ModelShape, g, gbs: int, inp: S
     )
     notes.append(f"memory must leave {inp.required_headroom_gib:.1f} GiB of {capacity:.1f} GiB free on the most-loaded GPU")
     notes.extend(_budget_notes(out))
-    if any(p.plan.parallelism.decoder_first_pipeline_num_layers or p.plan.parallelism.decoder_last_pipeline_num_layers for p in plans):
-        notes.append(
-            "uneven pipeline split: decoder_first/last_pipeline_num_layers put fewer layers on the first/last stage "
-            "(embedding, loss); memory and step time are computed for each stage's own layer count"
-        )
+    notes.extend(_split_notes(plans))
     elapsed = (t_search - t0) if clock else None
     s = out.stats
     evaluated = s.configurations_enumerated - sum(s.configurations_rejected_by_rule.values())
@@ -503,6 +511,32 @@ def _recommend(request: RecommendRequest, shape: ModelShape, g, gbs: int, inp: S
         notes=notes,
         stats=stats,
     )
+
+
+def _split_notes(plans: list[RecommendedPlan]) -> list[str]:
+    """What the plans' stage splits and TP overlap assume."""
+    pars = [p.plan.parallelism for p in plans]
+    notes = []
+    if any(p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers for p in pars):
+        notes.append(
+            "uneven pipeline split: decoder_first/last_pipeline_num_layers put fewer layers on the first/last stage "
+            "(embedding, loss); memory and step time are computed for each stage's own layer count"
+        )
+    if any(p.pipeline_model_parallel_size > 1 and (p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split)
+           for p in pars):
+        notes.append(
+            "embedding/loss-aware pipeline split (--account-for-embedding-in-pipeline-split, "
+            "--account-for-loss-in-pipeline-split): the embedding and the output layer + loss count as one layer "
+            "each, so the first/last stage builds one layer fewer, in its first/last model chunk; this lets "
+            "layer counts that do not divide over PP x VP interleave (Megatron's get_num_layers_to_build)"
+        )
+    if any(p.tp_comm_overlap for p in pars):
+        notes.append(
+            "TP communication overlap (--tp-comm-overlap) is on wherever it can run: Transformer Engine userbuffers "
+            "with sequence parallelism, the TP group inside one node, Transformer Engine's default userbuffers "
+            "settings (no --tp-comm-overlap-cfg); their buffers are not in the memory estimate"
+        )
+    return notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,7 +587,7 @@ def _inputs(request: RecommendRequest, shape: ModelShape, gbs: int, *, quick: bo
     return SearchInputs(
         shape=shape, gpu=g, hardware=hardware_params(cluster), cluster=cluster,
         seq_length=seq_length or request.seq_length, global_batch_size=gbs, precisions=precisions,
-        implementation=im, fp8_recipe=request.fp8_recipe, capacity_gib=capacity,
+        implementation=im, fp8_recipe=request.fp8_recipe, fp8_param_gather=request.fp8_param_gather, capacity_gib=capacity,
         required_headroom_gib=max(request.min_headroom_gib, request.min_headroom_fraction * capacity),
         fixed=Fixed(
             tp=fx.tensor_model_parallel_size, pp=fx.pipeline_model_parallel_size,
@@ -565,6 +599,7 @@ def _inputs(request: RecommendRequest, shape: ModelShape, gbs: int, *, quick: bo
         ),
         max_tp=request.max_tensor_model_parallel_size,
         allow_recompute=request.allow_recompute,
+        tp_comm_overlap=request.allow_tp_comm_overlap,
         quick=quick,
     )
 
@@ -581,18 +616,18 @@ def _candidate_plan(request: RecommendRequest, inp: SearchInputs, out: SearchOut
     dist = bool(out.dist_opt[i])
     granularity = None if rc == RC_NONE else ("selective" if rc == RC_SELECTIVE else "full")
     method = None if rc < RC_BLOCK else ("block" if rc == RC_BLOCK else "uniform")
-    if method == "block":
+    if method == "block" and k >= max(chunk_layers(inp.shape.num_layers, lo.pp, lo.vp, lo.split)):
         # Block over every layer of every chunk is the conventional uniform-1 full recompute.
-        chunks = [n // lo.vp for n in _stages(inp.shape.num_layers, lo)]
-        if k >= max(chunks):
-            method, k = FULL_RECOMPUTE_DEFAULT
+        method, k = FULL_RECOMPUTE_DEFAULT
     moe = inp.shape.is_moe
     par = ParallelismSpec(
         tensor_model_parallel_size=lo.tp,
         pipeline_model_parallel_size=lo.pp,
         virtual_pipeline_model_parallel_size=lo.vp if lo.vp > 1 else None,
-        decoder_first_pipeline_num_layers=lo.first,
-        decoder_last_pipeline_num_layers=lo.last,
+        decoder_first_pipeline_num_layers=lo.split.first,
+        decoder_last_pipeline_num_layers=lo.split.last,
+        account_for_embedding_in_pipeline_split=lo.split.embedding,
+        account_for_loss_in_pipeline_split=lo.split.loss,
         context_parallel_size=lo.cp,
         expert_model_parallel_size=lo.ep,
         expert_tensor_parallel_size=lo.etp if (moe and lo.etp != lo.tp) else None,
@@ -603,6 +638,7 @@ def _candidate_plan(request: RecommendRequest, inp: SearchInputs, out: SearchOut
         recompute_num_layers=k,
         overlap_grad_reduce=True,
         overlap_param_gather=dist,
+        tp_comm_overlap=lo.tp_overlap,
     )
     return Plan(
         model=request.model,
@@ -610,14 +646,11 @@ def _candidate_plan(request: RecommendRequest, inp: SearchInputs, out: SearchOut
         training=TrainingSpec(
             seq_length=inp.seq_length, global_batch_size=inp.global_batch_size, micro_batch_size=int(out.mbs[i]),
             precision=lo.precision, fp8_recipe=request.fp8_recipe if lo.precision == "fp8" else "delayed",
+            fp8_param_gather=request.fp8_param_gather and lo.precision == "fp8",
         ),
         parallelism=par,
         implementation=inp.implementation,
     )
-
-
-def _stages(num_layers: int, lo) -> list[int]:
-    return layers_per_stage(num_layers, lo.pp, lo.first, lo.last)
 
 
 def layout_summary(plan: Plan) -> str:
@@ -629,6 +662,10 @@ def layout_summary(plan: Plan) -> str:
         parts.append(f"VP{p.virtual_pipeline_model_parallel_size}")
     if p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
         parts.append(f"(first {p.decoder_first_pipeline_num_layers or '-'} / last {p.decoder_last_pipeline_num_layers or '-'} layers)")
+    elif p.pipeline_model_parallel_size > 1 and (p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split):
+        counted = "+".join(x for x, on in (("embedding", p.account_for_embedding_in_pipeline_split),
+                                           ("loss", p.account_for_loss_in_pipeline_split)) if on)
+        parts.append(f"({counted} as layers)")
     parts.append(f"CP{p.context_parallel_size}")
     if p.expert_model_parallel_size > 1 or (resolve_model(plan.model).is_moe):
         parts.append(f"EP{p.expert_model_parallel_size}")
@@ -637,7 +674,7 @@ def layout_summary(plan: Plan) -> str:
     parts.append(f"DP{dp}")
     parts.append(f"mbs{t.micro_batch_size}")
     if p.sequence_parallel and p.tensor_model_parallel_size > 1:
-        parts.append("SP")
+        parts.append("SP+overlap" if p.tp_comm_overlap else "SP")
     s = " ".join(parts)
     if p.recompute_granularity == "selective":
         s += ", selective recompute"
@@ -742,7 +779,8 @@ def _dims(plan: Plan, ev: Evaluation) -> dict[str, str]:
     if p.recompute_granularity == "full":
         rc = f"full ({p.recompute_method} {p.recompute_num_layers})"
     return {
-        "tp": f"TP{p.tensor_model_parallel_size}" + (" SP" if p.sequence_parallel and p.tensor_model_parallel_size > 1 else ""),
+        "tp": f"TP{p.tensor_model_parallel_size}" + ((" SP+overlap" if p.tp_comm_overlap else " SP")
+                                                     if p.sequence_parallel and p.tensor_model_parallel_size > 1 else ""),
         "pp": f"PP{p.pipeline_model_parallel_size}" + (f" VP{p.virtual_pipeline_model_parallel_size}" if p.virtual_pipeline_model_parallel_size else ""),
         "m": f"{ev.parallel.num_microbatches} micro-batches of {t.micro_batch_size}",
         "cp": f"CP{p.context_parallel_size}",
@@ -801,6 +839,25 @@ def _why_slower(best: Evaluation, other: Evaluation, best_plan: Plan, other_plan
     return s
 
 
+def _overlap_line(best: RecommendedPlan) -> str:
+    """The explanation's statement that the plan assumes TP communication overlap, and what it is worth."""
+    perf = best.evaluation.performance
+    off = step_time(with_changes(best.plan, "parallelism", tp_comm_overlap=False))
+    return (f"assumes TP communication overlap (--tp-comm-overlap: Transformer Engine userbuffers run the TP/SP "
+            f"all-gathers and reduce-scatters beside their GEMMs, as the NeMo/Megatron-Bridge recipes do): exposed "
+            f"TP/SP communication {100 * perf.breakdown.tp_comm_exposed_s / perf.iteration_time_s:.1f}% of the step; "
+            f"without the flag the step is {100 * (off.iteration_time_s / perf.iteration_time_s - 1):.1f}% longer "
+            f"({off.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)")
+
+
+def largest_term_gap(fast_plan: Plan, fast: Evaluation, slow_plan: Plan, slow: Evaluation) -> str:
+    """The mechanism that makes `fast` faster than `slow`: the step-time term where `slow` spends the most more
+    (share of fast's step) and the layout dimensions behind it, e.g. 'pipeline bubble +9.1% (PP8 VP4 vs PP4 VP20)'."""
+    d, k = max(_term_deltas(fast, slow))
+    c = _cause(k, _dims(fast_plan, fast), _dims(slow_plan, slow))
+    return f"{_TERMS[k]} +{100 * d:.1f}%" + (f" ({c})" if c else "")
+
+
 def _explain(plans: list[RecommendedPlan]) -> list[str]:
     best = plans[0]
     ev = best.evaluation
@@ -813,6 +870,8 @@ def _explain(plans: list[RecommendedPlan]) -> list[str]:
     T = perf.iteration_time_s
     terms = sorted(((v, k) for k, v in perf.breakdown.model_dump().items() if v > 0), reverse=True)[:4]
     out.append("its step: " + ", ".join(f"{_TERMS[k]} {100 * v / T:.0f}%" for v, k in terms))
+    if best.plan.parallelism.tp_comm_overlap:
+        out.append(_overlap_line(best))
     if len(plans) > 1:
         ru = plans[1]
         a, b = _dims(best.plan, ev), _dims(ru.plan, ru.evaluation)
@@ -1241,6 +1300,7 @@ __all__ = [
     "WhatIf",
     "default_global_batch_size",
     "format_recommendation",
+    "largest_term_gap",
     "layout_summary",
     "nearest_published_run",
     "recommend_parallelism",

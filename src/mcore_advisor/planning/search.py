@@ -2,11 +2,12 @@
 
 How one search runs (`search(inputs)`):
 
-1. Layouts. Every (TP, PP, uneven split, VP, CP, EP, ETP, SP, precision) the constraints allow,
+1. Layouts. Every (TP, PP, stage split, VP, CP, EP, ETP, SP, precision) the constraints allow,
    with TP*PP*CP dividing the world size by construction (DP is derived; pinned values are tried
-   even when they do not, so the validators can say why). PP that does not divide the layers is
-   searched with uneven first/last stages (`uneven_splits`). A layout is counted once, under the
-   first check it fails, in this order:
+   even when they do not, so the validators can say why). Each VP is searched under the most balanced
+   stage split Megatron builds with it: even, lighter first/last stages, or the embedding/loss-aware split
+   (`pipeline_splits`). TP communication overlap (--tp-comm-overlap) is on wherever it can run
+   (`tp_overlap_runs`). A layout is counted once, under the first check it fails, in this order:
    - model-state bound: the bf16 weights + gradient buffer + Adam state of the most-loaded
      pipeline rank, with the distributed optimizer (or FSDP) sharding as far as the layout allows,
      plus the CUDA context, already exceed the usable memory (physics.memory.model_state_gib, all
@@ -47,7 +48,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -125,11 +126,13 @@ class SearchInputs:
     precisions: tuple[str, ...]
     implementation: ImplementationSpec
     fp8_recipe: str = "delayed"
+    fp8_param_gather: bool = False  # FP8 rows keep FP8 weights and all-gather them in FP8 (--fp8-param-gather)
     capacity_gib: float = 80.0
     required_headroom_gib: float = 0.0
     fixed: Fixed = field(default_factory=Fixed)
     max_tp: int | None = None
     allow_recompute: bool = True
+    tp_comm_overlap: bool = True  # TE userbuffers TP overlap wherever it runs (tp_overlap_runs); False = never
     quick: bool = False  # lower fidelity: TP within a node, ETP 1 or TP, CP a power of two, SP on with TP > 1, micro-batch <= 8, distributed optimizer on
 
 
@@ -149,19 +152,32 @@ class SearchStats:
     configurations_timed: int = 0
 
 
+class StageSplit(NamedTuple):
+    """How the PP stages share the decoder layers: Megatron's --decoder-first/last-pipeline-num-layers
+    (`first`/`last`; None = the even share) or its embedding/loss-aware split
+    (--account-for-embedding/loss-in-pipeline-split: the embedding and the output layer + loss each count as one
+    layer of an even split, so the first/last stage builds one layer fewer). A split is of one kind: Megatron's
+    TransformerConfig rejects first/last stage layer counts together with the embedding/loss-aware split."""
+
+    first: int | None = None
+    last: int | None = None
+    embedding: bool = False
+    loss: bool = False
+
+
 @dataclass
 class Layout:
     tp: int
     pp: int
     vp: int
-    first: int | None
-    last: int | None
+    split: StageSplit
     cp: int
     ep: int
     etp: int
     sp: bool
     precision: str
     dp: int
+    tp_overlap: bool = False  # --tp-comm-overlap (tp_overlap_runs)
 
 
 @dataclass
@@ -192,36 +208,64 @@ def divisors(n: int) -> list[int]:
     return list(_divisors(n))
 
 
-def uneven_splits(num_layers: int, pp: int) -> list[tuple[int | None, int | None, tuple[int, ...]]]:
-    """Uneven (first, last, VPs) stage splits to search when num_layers does not divide by PP.
-
-    Every split keeps the most-loaded stage at ceil(L / PP) layers (what physics.step_time times) and the
-    middle stages equal (Megatron's --decoder-first/last-pipeline-num-layers); the first and last
-    stages are lighter, as they also hold the embedding and the loss (Llama-3.1-405B: 126 layers on
-    PP16 = 7 + 14 x 8 + 7). Interleaving needs every stage divisible by VP, so for each VP the most
-    balanced split that allows it is kept: symmetric first, then a lighter first stage.
-    """
+def _first_last_sizes(num_layers: int, pp: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
+    """(first, last, stage sizes) of the first/last splits that keep the most-loaded stage at ceil(L / PP)
+    layers (what physics.step_time times) and the middle stages equal (Llama-3.1-405B: 126 layers on PP16 =
+    7 + 14 x 8 + 7)."""
     if pp == 2:
         first = num_layers // 2
-        return [(first, None, _vps((first, num_layers - first)))]
+        return [(first, None, (first, num_layers - first))]
     m = -(-num_layers // pp)
     rest = num_layers - (pp - 2) * m  # layers left for the first and last stages
-    cands: list[tuple[tuple, int | None, int | None, tuple[int, ...]]] = []
-    for f in range(max(1, rest - m), min(m, rest - 1) + 1):
-        last = rest - f
-        rank = (abs(f - last), last < f)  # symmetric, then lighter first
-        cands.append((rank, f, last, (f, m, last)))
+    out: list[tuple[int, int | None, tuple[int, ...]]] = [(f, rest - f, (f, m, rest - f))
+                                                         for f in range(max(1, rest - m), min(m, rest - 1) + 1)]
     f1 = num_layers - (pp - 1) * m
     if 1 <= f1 < m:
-        cands.append(((m - f1, False), f1, None, (f1, m)))
-    cands.sort(key=lambda c: c[0])
-    out: list[tuple[int | None, int | None, tuple[int, ...]]] = []
+        out.append((f1, None, (f1, m)))
+    return out
+
+
+def _balance(sizes: tuple[int, ...]) -> tuple[int, bool]:
+    # symmetric first/last stages, then a lighter first stage
+    return abs(sizes[0] - sizes[-1]), sizes[-1] < sizes[0]
+
+
+def pipeline_splits(num_layers: int, pp: int, *, account: bool = True) -> list[tuple[StageSplit, tuple[int, ...]]]:
+    """(split, VPs) to search for one PP: each VP once, under the most balanced split Megatron builds with it.
+
+    Candidates: the even split where PP divides the layers, else lighter first/last stages
+    (`_first_last_sizes`), which interleave only over a VP dividing every stage's layers; and (`account`) the
+    embedding/loss-aware splits where num_layers + 2 (embedding and loss) or + 1 (the loss alone: the
+    output layer's vocabulary GEMM and the loss cost far more than the embedding lookup) divide by PP. Those
+    build the stage sizes of a first/last split but interleave over any VP that divides a stage's slots
+    (get_num_layers_to_build: the embedding/loss leave the first/last model chunk one layer short):
+    Llama-3.1-405B's 126 layers on PP8 are 15 + 6 x 16 + 15 either way, interleaved only as 128 slots
+    (VP 2, 4, 8, 16; the NeMo/Megatron-Bridge recipe runs VP8). Ranked by balance, and at equal balance a
+    first/last split before an embedding/loss-aware one. No split exists: [] (the validators say why).
+    """
+    if pp == 1:
+        return [(StageSplit(), (1,))]
+    cands: list[tuple[tuple[int, bool], int, StageSplit, tuple[int, ...]]] = []
+    if num_layers % pp == 0:
+        cands.append(((0, False), 0, StageSplit(), _divisors(num_layers // pp)))
+    else:
+        cands += [(_balance(sizes), 0, StageSplit(first, last), _vps(sizes))
+                  for first, last, sizes in _first_last_sizes(num_layers, pp)]
+    for emb in (True, False) if account else ():
+        slots = num_layers + emb + 1
+        if slots % pp == 0 and slots // pp > 1:  # every stage keeps a layer
+            sizes = tuple(layers_per_stage(num_layers, pp, embedding=emb, loss=True))
+            # Every VP dividing the slots, even one whose first/last chunk holds only the embedding/loss
+            # (Megatron's MoE model zoo runs Qwen3-235B's 94 layers as 96 slots on PP32 VP3).
+            cands.append((_balance(sizes), 1, StageSplit(embedding=emb, loss=True), _divisors(slots // pp)))
+    cands.sort(key=lambda c: c[:2])
+    out: list[tuple[StageSplit, tuple[int, ...]]] = []
     used: set[int] = set()
-    for _, first, last, sizes in cands:
-        vps = tuple(v for v in _vps(sizes) if v not in used)
-        if vps:
-            used.update(vps)
-            out.append((first, last, vps))
+    for _, _, split, vps in cands:
+        new = tuple(v for v in vps if v not in used)
+        if new:
+            used.update(new)
+            out.append((split, new))
     return out
 
 
@@ -230,6 +274,55 @@ def _vps(stage_sizes: tuple[int, ...]) -> tuple[int, ...]:
     for x in stage_sizes:
         g = math.gcd(g, x)
     return _divisors(max(1, g))
+
+
+@lru_cache(maxsize=4096)
+def stage_ends(num_layers: int, pp: int, split: StageSplit) -> tuple[int, int]:
+    """(first, last) stage layers as a physics.layouts.LayoutBatch row encodes a split (-1 = the even share):
+    the embedding/loss-aware split as the stage sizes Megatron builds (what LayoutBatch.from_plan encodes)."""
+    if pp > 1 and (split.embedding or split.loss):
+        stages = layers_per_stage(num_layers, pp, embedding=split.embedding, loss=split.loss)
+        return stages[0], stages[-1]
+    return (-1 if split.first is None else split.first), (-1 if split.last is None else split.last)
+
+
+@lru_cache(maxsize=4096)
+def chunk_layers(num_layers: int, pp: int, vp: int, split: StageSplit) -> tuple[int, ...]:
+    """The distinct layer counts of the model chunks Megatron builds (transformer_block.get_num_layers_to_build):
+    each stage's slots over VP, a slot being a layer or, with the embedding/loss-aware split, the embedding
+    (first chunk of the first stage) or the output layer + loss (last chunk of the last stage), which that
+    chunk builds in place of a layer. Uniform recompute groups must tile every one of them."""
+    if pp == 1:
+        return (num_layers,)
+    stages = layers_per_stage(num_layers, pp, split.first, split.last, embedding=split.embedding, loss=split.loss)
+    sizes = {n // vp for n in stages[1:-1]}
+    emb, loss = int(split.embedding), int(split.loss)
+    sizes.add((stages[0] + emb) // vp - emb)
+    sizes.add((stages[-1] + loss) // vp - loss)
+    if vp > 1:  # the ends' other chunks hold only layers
+        sizes.update({(stages[0] + emb) // vp, (stages[-1] + loss) // vp})
+    return tuple(sorted(sizes))
+
+
+def tp_overlap_runs(tp: int, sequence_parallel: bool, transformer_impl: str, gpus_per_node: int) -> bool:
+    """Whether --tp-comm-overlap can run on this layout: Megatron's validate_args asserts sequence parallelism
+    (which Megatron turns off at TP 1), the overlap is Transformer Engine's userbuffers (initialize_ub; the
+    local spec has none), and the userbuffers exchange through the TP peers' memory over NVLink, so the TP group
+    (consecutive ranks) must sit in one node: TP divides the GPUs per node. The search times each such layout
+    with and without it (Megatron-Bridge/NeMo performance recipes turn it on): the overlap hides the TP
+    collectives but slows the GEMMs it runs beside (physics.step_time.UB_GEMM_STRETCH)."""
+    return (sequence_parallel and tp > 1 and transformer_impl == "transformer_engine"
+            and gpus_per_node % tp == 0)
+
+
+def _overlap(inp: SearchInputs, tp: int, sp: bool) -> bool:
+    return inp.tp_comm_overlap and tp_overlap_runs(tp, sp, inp.implementation.transformer_impl, inp.hardware.gpus_per_node)
+
+
+def _overlap_options(inp: SearchInputs, tp: int, sp: bool) -> tuple[bool, ...]:
+    """Both where the overlap can run: it hides the TP collectives but stretches the GEMMs beside it
+    (physics.step_time.UB_GEMM_STRETCH), so which is faster depends on the layout."""
+    return (True, False) if _overlap(inp, tp, sp) else (False,)
 
 
 def _add(d: dict[str, int], key: str, n: int) -> None:
@@ -265,8 +358,7 @@ class _Shard:
 
     tp: int
     pp: int
-    first: int | None
-    last: int | None
+    split: StageSplit
     vp: int
     ep: int
     etp: int
@@ -274,7 +366,7 @@ class _Shard:
     sps: tuple[bool, ...]
 
     def layouts_under(self, inp: SearchInputs) -> int:
-        return len(self.cps) * len(self.sps) * len(inp.precisions)
+        return len(self.cps) * sum(len(_overlap_options(inp, self.tp, sp)) for sp in self.sps) * len(inp.precisions)
 
 
 def _max_tp(inp: SearchInputs) -> int:
@@ -282,25 +374,22 @@ def _max_tp(inp: SearchInputs) -> int:
     return min(max_tp, inp.hardware.gpus_per_node) if inp.quick else max_tp
 
 
-def _splits(inp: SearchInputs, pp: int) -> list[tuple[int | None, int | None, int]]:
-    """(first, last, VP) stage splits to search for one PP."""
+def _splits(inp: SearchInputs, pp: int) -> list[tuple[StageSplit, int]]:
+    """(stage split, VP) pairs to search for one PP."""
     f, L = inp.fixed, inp.shape.num_layers
-    if pp == 1:
-        splits = [(None, None, (1,))]
-    elif f.first is not None or f.last is not None:
+    if pp > 1 and (f.first is not None or f.last is not None):
         try:
             sizes = tuple(layers_per_stage(L, pp, f.first, f.last))
         except ValueError:
             sizes = (1,)  # the validators reject it with the reason
-        splits = [(f.first, f.last, _vps(sizes))]
-    elif L % pp == 0:
-        splits = [(None, None, _divisors(L // pp))]
+        splits = [(StageSplit(f.first, f.last), _vps(sizes))]
     else:
-        splits = uneven_splits(L, pp) or [(None, None, (1,))]  # none exists: the validators say so
-    pairs = [(first, last, vp) for first, last, vps in splits for vp in vps
-             if f.vp is None or vp == f.vp or (f.vp == 1 and vp == 1)]
+        # A hybrid model's stages follow its pattern's '|': Megatron rejects the embedding/loss-aware split there.
+        splits = (pipeline_splits(L, pp, account=inp.shape.hybrid_layer_pattern is None)
+                  or [(StageSplit(), (1,))])  # none exists: the validators say so
+    pairs = [(split, vp) for split, vps in splits for vp in vps if f.vp is None or vp == f.vp]
     if f.vp is not None and f.vp > 1 and pp > 1 and not pairs:
-        pairs = [(splits[0][0], splits[0][1], f.vp)]  # the validators say why it cannot be
+        pairs = [(splits[0][0], f.vp)]  # the validators say why it cannot be
     return pairs
 
 
@@ -342,13 +431,13 @@ def _shards(inp: SearchInputs) -> list[_Shard]:
         eps, etps = _expert_dims(inp, tp)
         for pp in [f.pp] if f.pp is not None else [p for p in divisors(max(1, world // tp)) if p <= inp.shape.num_layers]:
             cps = _cps(inp, tp, pp)
-            out += [_Shard(tp, pp, first, last, vp, ep, etp, cps, sps)
-                    for ep in eps for etp in etps for first, last, vp in _splits(inp, pp)]
+            out += [_Shard(tp, pp, split, vp, ep, etp, cps, sps)
+                    for ep in eps for etp in etps for split, vp in _splits(inp, pp)]
     return out
 
 
 def _implementation(inp: SearchInputs) -> Implementation:
-    return Implementation.of(inp.implementation, fp8_recipe=inp.fp8_recipe)
+    return Implementation.of(inp.implementation, fp8_recipe=inp.fp8_recipe, fp8_param_gather=inp.fp8_param_gather)
 
 
 def _shard_batch(inp: SearchInputs, shards: list[_Shard], cp: np.ndarray | int = 1, **extra) -> LayoutBatch:
@@ -360,8 +449,8 @@ def _shard_batch(inp: SearchInputs, shards: list[_Shard], cp: np.ndarray | int =
         inp.shape, inp.seq_length, inp.global_batch_size, _implementation(inp), tp=tp, pp=pp, cp=cp,
         dp=np.maximum(1, world // (tp * pp * cp)), num_gpus=world, ep=col(lambda x: x.ep), etp=col(lambda x: x.etp),
         vp=col(lambda x: x.vp), use_distributed_optimizer=not inp.implementation.use_torch_fsdp2,
-        first_stage_layers=col(lambda x: -1 if x.first is None else x.first),
-        last_stage_layers=col(lambda x: -1 if x.last is None else x.last), **extra,
+        first_stage_layers=col(lambda x: stage_ends(inp.shape.num_layers, x.pp, x.split)[0]),
+        last_stage_layers=col(lambda x: stage_ends(inp.shape.num_layers, x.pp, x.split)[1]), **extra,
     )
 
 
@@ -371,17 +460,19 @@ def _model_state_bounds(inp: SearchInputs, shards: list[_Shard]) -> np.ndarray:
     return model_state_gib(_shard_batch(inp, shards)) + CUDA_CONTEXT_GIB
 
 
+# The validators' context fields that are ImplementationSpec fields: every candidate carries the request's.
+_CTX_IMPLEMENTATION = tuple(f.name for f in fields(Ctx) if f.init and f.name in ImplementationSpec.model_fields)
+
+
 def _rules_base(inp: SearchInputs) -> Ctx:
     """The validators' view of every candidate, before its layout is filled in (micro-batch 1, no recompute)."""
     cl, im = inp.cluster, inp.implementation
-    fsdp = im.use_torch_fsdp2  # FSDP replaces the distributed optimizer and its parameter all-gather
-    extra = dict(use_distributed_optimizer=False, overlap_param_gather=False) if fsdp else {}
+    # FSDP replaces the distributed optimizer and its parameter all-gather
+    extra = dict(use_distributed_optimizer=False, overlap_param_gather=False) if im.use_torch_fsdp2 else {}
     return Ctx(
         inp.shape, inp.gpu, num_gpus=cl.num_gpus, seq_length=inp.seq_length, gbs=inp.global_batch_size, mbs=1,
         gpus_per_node=cl.gpus_per_node, nvlink_gbps=cl.nvlink_bandwidth_gbps, scaleout_gbps=cl.scaleout_bandwidth_gbps,
-        hbm_gib=cl.gpu_memory_gib, fp8_recipe=inp.fp8_recipe, transformer_impl=im.transformer_impl,
-        attention_backend=im.attention_backend, moe_token_dispatcher_type=im.moe_token_dispatcher_type,
-        moe_grouped_gemm=im.moe_grouped_gemm, use_torch_fsdp2=fsdp, cross_entropy_fusion_impl=im.cross_entropy_fusion_impl,
+        hbm_gib=cl.gpu_memory_gib, fp8_recipe=inp.fp8_recipe, **{n: getattr(im, n) for n in _CTX_IMPLEMENTATION},
         **extra,
     )
 
@@ -402,17 +493,33 @@ def _surviving(inp: SearchInputs, st: SearchStats, shards: list[_Shard], bounds:
     return keep
 
 
+LIKELY_MICRO_BATCH = 8
+"""The largest micro-batch _likeliest_first tries (the quick space's cap): a layout that wins only with a
+larger micro-batch than 1 (TP2 on Llama-3-8B with TP overlap: mbs 4 beats TP1's best) is still looked at early."""
+
+
 def _likeliest_first(inp: SearchInputs, shards: list[tuple[int, _Shard]]) -> list[tuple[int, _Shard]]:
-    """The shards in order of the predicted throughput of their first layout at micro-batch 1 without
-    recompute (physics.step_time), fastest first: what a search stopped by its deadline has then
+    """The shards in order of the predicted throughput of their first layout without recompute
+    (physics.step_time), at micro-batch 1 or the largest up to LIKELY_MICRO_BATCH that its data-parallel
+    batch allows, whichever is faster, fastest first: what a search stopped by its deadline has then
     checked are the likeliest winners (DeepSeek-V3 on 1024 GPUs, cut at 3.5 s cold: TP8 EP256 found
     this way, TP1 PP16 with full recompute in enumeration order). The order changes no result."""
     if len(shards) < 2:
         return shards
     own = [sh for _, sh in shards]
-    batch = _shard_batch(inp, own, cp=np.asarray([sh.cps[0] for sh in own], dtype=np.int64),
-                         sequence_parallel=np.asarray([sh.sps[0] for sh in own], dtype=bool), fp8=inp.precisions[0] == "fp8")
-    speed = np.nan_to_num(step_time_arrays(batch, inp.hardware)["tokens_per_s_per_gpu"], nan=-1.0)
+    f, world, gbs = inp.fixed, inp.cluster.num_gpus, inp.global_batch_size
+    cp = np.asarray([sh.cps[0] for sh in own], dtype=np.int64)
+    sp = np.asarray([sh.sps[0] for sh in own], dtype=bool)
+    ov = np.asarray([_overlap(inp, sh.tp, sh.sps[0]) for sh in own], dtype=bool)
+    per_dp = [gbs // max(1, world // (sh.tp * sh.pp * c)) for sh, c in zip(own, cp.tolist(), strict=True)]
+    small = np.full(len(own), f.mbs or 1, dtype=np.int64)
+    big = np.asarray([f.mbs or max(m for m in _divisors(max(1, n)) if m <= LIKELY_MICRO_BATCH) for n in per_dp],
+                     dtype=np.int64)
+    speed = np.full(len(own), -1.0)
+    for mbs in (small,) if f.mbs else (small, big):
+        batch = _shard_batch(inp, own, cp=cp, sequence_parallel=sp, fp8=inp.precisions[0] == "fp8",
+                             micro_batch_size=mbs, tp_comm_overlap=ov)
+        speed = np.maximum(speed, np.nan_to_num(step_time_arrays(batch, inp.hardware)["tokens_per_s_per_gpu"], nan=-1.0))
     return [shards[i] for i in np.argsort(-speed, kind="stable")]
 
 
@@ -438,19 +545,23 @@ def _layouts(inp: SearchInputs, st: SearchStats, shards: list[tuple[int, _Shard]
     places: list[int] = []
     for pos, sh in shards:
         for j, cp in enumerate(sh.cps):
-            for sp in sh.sps:
+            for sp, ov in ((sp, ov) for sp in sh.sps for ov in _overlap_options(inp, sh.tp, sp)):
                 for prec in inp.precisions:
                     errs = layout_errors(scratch.relayout(
                         tp=sh.tp, pp=sh.pp, vp_raw=sh.vp if sh.vp > 1 else None, cp=cp, ep=sh.ep,
-                        etp_raw=sh.etp if moe else None, sp=sp, precision=prec,
-                        decoder_first_pipeline_num_layers=sh.first, decoder_last_pipeline_num_layers=sh.last))
+                        etp_raw=sh.etp if moe else None, sp=sp, precision=prec, tp_comm_overlap=ov,
+                        fp8_param_gather=inp.fp8_param_gather and prec == "fp8",
+                        decoder_first_pipeline_num_layers=sh.split.first, decoder_last_pipeline_num_layers=sh.split.last,
+                        account_for_embedding_in_pipeline_split=sh.split.embedding,
+                        account_for_loss_in_pipeline_split=sh.split.loss))
                     if errs:
                         _add(st.layouts_rejected_by_rule, errs[0], 1)
                         continue
                     st.layouts_searched += 1
                     dp = max(1, world // (sh.tp * sh.pp) // cp)
-                    layouts.append(Layout(sh.tp, sh.pp, sh.vp, sh.first, sh.last, cp, sh.ep, sh.etp, sp and sh.tp > 1, prec, dp))
-                    places.append((pos << 24) + (j << 8) + (sh.sps.index(sp) << 4) + inp.precisions.index(prec))
+                    layouts.append(Layout(sh.tp, sh.pp, sh.vp, sh.split, cp, sh.ep, sh.etp, sp and sh.tp > 1, prec, dp, ov))
+                    places.append((pos << 24) + (j << 8) + (sh.sps.index(sp) << 4) + (int(not ov) << 3)
+                                  + inp.precisions.index(prec))
     return layouts, places
 
 
@@ -527,8 +638,9 @@ def _layout_batch(inp: SearchInputs, layouts: list[Layout]) -> LayoutBatch:
         tp=col(lambda lo: lo.tp), pp=col(lambda lo: lo.pp), dp=col(lambda lo: lo.dp), cp=col(lambda lo: lo.cp),
         ep=col(lambda lo: lo.ep), etp=col(lambda lo: lo.etp), vp=col(lambda lo: lo.vp), num_gpus=inp.cluster.num_gpus,
         sequence_parallel=col(lambda lo: lo.sp, bool), fp8=col(lambda lo: lo.precision == "fp8", bool),
-        first_stage_layers=col(lambda lo: -1 if lo.first is None else lo.first),
-        last_stage_layers=col(lambda lo: -1 if lo.last is None else lo.last),
+        tp_comm_overlap=col(lambda lo: lo.tp_overlap, bool),
+        first_stage_layers=col(lambda lo: stage_ends(inp.shape.num_layers, lo.pp, lo.split)[0]),
+        last_stage_layers=col(lambda lo: stage_ends(inp.shape.num_layers, lo.pp, lo.split)[1]),
     )
     return replace(b, stages=stage_table(b))
 
@@ -544,7 +656,7 @@ def _configurations(lb: LayoutBatch, g: _Grid) -> LayoutBatch:
     """The grid's rows of the layout batch with their micro-batch and optimizer sharding (no recompute)."""
     li = g.li
     cols = {n: getattr(lb, n)[li] for n in ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "num_gpus", "sequence_parallel",
-                                            "fp8", "first_stage_layers", "last_stage_layers")}
+                                            "fp8", "tp_comm_overlap", "first_stage_layers", "last_stage_layers")}
     return LayoutBatch(lb.shape, lb.seq_length, lb.global_batch_size, lb.impl, **cols, micro_batch_size=g.mbs,
                        use_distributed_optimizer=g.dist, overlap_param_gather=g.dist, stages=lb.stages.take(li),
                        activations=_activations_of(lb, li, False))
@@ -596,10 +708,10 @@ def _grid(inp: SearchInputs, st: SearchStats, lb: LayoutBatch, layouts: list[Lay
     li, mbs, dist, dp_i = li[keep], mbs[keep], dist[keep], dp_i[keep]
 
     allow_none, allow_sel, allow_block, allow_uniform = _recompute_allowed(inp)
-    pc_lay = np.maximum(1, lb.stages.layers.max(axis=0).astype(np.int64) // lb.vp)
-    # Uniform recompute groups must tile every stage's chunk (Megatron indexes past the end otherwise).
-    gcd_lay = np.asarray([math.gcd(*layers_per_stage(L, lo.pp, lo.first, lo.last)) // lo.vp if lo.pp > 1 else L
-                          for lo in layouts], dtype=np.int64)
+    chunks = [chunk_layers(L, lo.pp, lo.vp, lo.split) for lo in layouts]
+    pc_lay = np.asarray([max(1, c[-1]) for c in chunks], dtype=np.int64)  # the largest chunk
+    # Uniform recompute groups must tile every chunk (Megatron indexes past the end otherwise).
+    gcd_lay = np.asarray([math.gcd(*c) for c in chunks], dtype=np.int64)
     k = f.recompute_num_layers
     zeros = np.zeros(len(layouts), dtype=np.int64)
     if k is not None:

@@ -53,6 +53,12 @@ ATTENTION_BACKEND = "implementation.attention_backend"
 DISPATCHER = "implementation.moe_token_dispatcher_type"
 GROUPED_GEMM = "implementation.moe_grouped_gemm"
 FSDP2 = "implementation.use_torch_fsdp2"
+MEGATRON_FSDP = "implementation.use_megatron_fsdp"
+SHARDING_STRATEGY = "implementation.data_parallel_sharding_strategy"
+PRECISION_AWARE = "implementation.use_precision_aware_optimizer"
+EXP_AVG_DTYPE = "implementation.exp_avg_dtype"
+EXP_AVG_SQ_DTYPE = "implementation.exp_avg_sq_dtype"
+GRAD_REDUCE_FP32 = "implementation.grad_reduce_in_fp32"
 
 GIB = 1024**3
 
@@ -109,6 +115,12 @@ class Ctx:
     moe_token_dispatcher_type: str = _default(ImplementationSpec, "moe_token_dispatcher_type")
     moe_grouped_gemm: bool = _default(ImplementationSpec, "moe_grouped_gemm")
     use_torch_fsdp2: bool = _default(ImplementationSpec, "use_torch_fsdp2")
+    use_megatron_fsdp: bool = _default(ImplementationSpec, "use_megatron_fsdp")
+    data_parallel_sharding_strategy: str = _default(ImplementationSpec, "data_parallel_sharding_strategy")
+    use_precision_aware_optimizer: bool = _default(ImplementationSpec, "use_precision_aware_optimizer")
+    exp_avg_dtype: str = _default(ImplementationSpec, "exp_avg_dtype")
+    exp_avg_sq_dtype: str = _default(ImplementationSpec, "exp_avg_sq_dtype")
+    grad_reduce_in_fp32: bool = _default(ImplementationSpec, "grad_reduce_in_fp32")
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     account_for_embedding_in_pipeline_split: bool = False

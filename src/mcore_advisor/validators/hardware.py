@@ -114,7 +114,7 @@ def _fp8pg_mode(c: Ctx):
     "error",
     AREA,
     "FP8 param all-gather is a distributed-optimizer feature",
-    when=lambda c: c.fp8_param_gather and not c.use_distributed_optimizer and not c.use_torch_fsdp2,
+    when=lambda c: c.fp8_param_gather and not c.use_distributed_optimizer and not c.use_torch_fsdp2 and not c.use_megatron_fsdp,
 )
 def _fp8pg_distopt(c: Ctx):
     # Megatron-LM validate_args asserts this message.

@@ -11,14 +11,20 @@ from ._core import (
     DIST_OPT,
     EP,
     ETP,
+    EXP_AVG_DTYPE,
+    EXP_AVG_SQ_DTYPE,
     FSDP2,
     GIB,
+    GRAD_REDUCE_FP32,
     GROUPED_GEMM,
     MBS,
+    MEGATRON_FSDP,
     OVERLAP_GRAD_REDUCE,
     OVERLAP_PARAM_GATHER,
     PP,
+    PRECISION_AWARE,
     SEQ,
+    SHARDING_STRATEGY,
     SP,
     TP,
     TP_COMM_OVERLAP,
@@ -203,7 +209,7 @@ def _tpo_te(c: Ctx):
     "info",
     AREA,
     "param all-gather overlap is a distributed-optimizer feature",
-    when=lambda c: c.overlap_param_gather and not c.use_distributed_optimizer,
+    when=lambda c: c.overlap_param_gather and not c.use_distributed_optimizer and not c.use_megatron_fsdp,
 )
 def _opg_distopt(c: Ctx):
     # Megatron-LM validate_args asserts "--overlap-param-gather only supported with distributed
@@ -300,6 +306,109 @@ def _fsdp_tied(c: Ctx):
         [FSDP2, "model.untie_embeddings_and_output_weights"],
         "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights",
         "set implementation.use_torch_fsdp2 false (this model ties its embeddings)",
+    )
+
+
+@rule(
+    "megatron_fsdp_with_torch_fsdp2",
+    "error",
+    AREA,
+    "one FSDP implementation at a time",
+    when=lambda c: c.use_megatron_fsdp and c.use_torch_fsdp2,
+)
+def _two_fsdps(c: Ctx):
+    # megatron/training/models/dist_utils.py _ddp_wrap raises this ValueError.
+    return (
+        [MEGATRON_FSDP, FSDP2],
+        "Using use_megatron_fsdp and use_torch_fsdp2 at the same time is not supported.",
+        "set implementation.use_torch_fsdp2 false (Megatron-FSDP also shards parameters: "
+        "data_parallel_sharding_strategy optim_grads_params), or use_megatron_fsdp false",
+    )
+
+
+@rule(
+    "megatron_fsdp_turns_on_distributed_optimizer",
+    "warning",
+    AREA,
+    "Megatron-FSDP runs with the distributed optimizer",
+    when=lambda c: c.use_megatron_fsdp and not c.use_distributed_optimizer,
+)
+def _mfsdp_distopt(c: Ctx):
+    # validate_args warns and sets args.use_distributed_optimizer = True under --use-megatron-fsdp.
+    return (
+        [MEGATRON_FSDP, DIST_OPT],
+        "Megatron-FSDP is only compatible with --use-distributed-optimizer: Megatron-LM turns it on itself "
+        "(use_distributed_optimizer false is not what runs)",
+        "set parallelism.use_distributed_optimizer true",
+    )
+
+
+@rule(
+    "sharding_strategy_without_megatron_fsdp",
+    "warning",
+    AREA,
+    "the sharding strategy is Megatron-FSDP's",
+    when=lambda c: not c.use_megatron_fsdp and c.data_parallel_sharding_strategy != "optim_grads_params",
+)
+def _strategy_unused(c: Ctx):
+    # Only Megatron-FSDP's buffers read --data-parallel-sharding-strategy; DDP and FSDP2 ignore it.
+    return (
+        [SHARDING_STRATEGY, MEGATRON_FSDP],
+        f"data_parallel_sharding_strategy {c.data_parallel_sharding_strategy!r} is ignored without Megatron-FSDP "
+        "(DDP shards only the optimizer state, with use_distributed_optimizer)",
+        "set implementation.use_megatron_fsdp true, or leave data_parallel_sharding_strategy at its default",
+    )
+
+
+@rule(
+    "megatron_fsdp_gradients_in_bf16",
+    "info",
+    AREA,
+    "Megatron-FSDP's gradient buffer dtype",
+    when=lambda c: c.use_megatron_fsdp and c.grad_reduce_in_fp32,
+)
+def _mfsdp_grads(c: Ctx):
+    # Megatron-FSDP's gradient buffer takes --megatron-fsdp-main-grads-dtype ('auto' = the bf16 parameter
+    # dtype: param_and_grad_buffer._resolve_group_grad_dtype); accumulate_allreduce_grads_in_fp32 is DDP's.
+    return (
+        [GRAD_REDUCE_FP32, MEGATRON_FSDP],
+        "grad_reduce_in_fp32 does not reach Megatron-FSDP: its gradients are accumulated and reduced in bf16 "
+        "(--megatron-fsdp-main-grads-dtype auto); the estimates use 2 B per gradient",
+        "set implementation.grad_reduce_in_fp32 false to say what runs",
+    )
+
+
+@rule(
+    "precision_aware_optimizer_needs_distributed_optimizer",
+    "error",
+    AREA,
+    "the precision-aware optimizer is a distributed-optimizer feature",
+    when=lambda c: c.use_precision_aware_optimizer and not c.use_distributed_optimizer and not c.use_megatron_fsdp,
+)
+def _pao_distopt(c: Ctx):
+    # megatron/core/optimizer/optimizer_config.py OptimizerConfig.__post_init__ asserts this message.
+    return (
+        [PRECISION_AWARE, DIST_OPT],
+        "--use-precision-aware-optimizer only supported with distributed optimizer",
+        "set parallelism.use_distributed_optimizer true, or implementation.use_precision_aware_optimizer false",
+    )
+
+
+@rule(
+    "optimizer_state_dtype_ignored",
+    "warning",
+    AREA,
+    "optimizer-state dtypes need the precision-aware optimizer",
+    when=lambda c: not c.use_precision_aware_optimizer and (c.exp_avg_dtype != "fp32" or c.exp_avg_sq_dtype != "fp32"),
+)
+def _state_dtype(c: Ctx):
+    # megatron/core/optimizer/__init__.py passes exp_avg(_sq)_dtype to TE's FusedAdam only with the
+    # precision-aware optimizer; otherwise Adam keeps fp32 moments.
+    return (
+        [EXP_AVG_DTYPE, EXP_AVG_SQ_DTYPE, PRECISION_AWARE],
+        f"exp_avg_dtype {c.exp_avg_dtype} / exp_avg_sq_dtype {c.exp_avg_sq_dtype} are ignored without "
+        "--use-precision-aware-optimizer: Adam keeps fp32 moments",
+        "set implementation.use_precision_aware_optimizer true, or the dtypes back to fp32",
     )
 
 

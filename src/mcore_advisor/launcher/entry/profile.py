@@ -738,7 +738,8 @@ _SETTINGS = (
     "attention_softmax_in_fp32", "hidden_dropout", "attention_dropout", "use_distributed_optimizer",
     "overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "grad_reduce_in_bf16", "manual_gc", "manual_gc_interval",
     "check_for_nan_in_loss_and_grad", "tp_comm_overlap", "fake_process_group", "use_torch_fsdp2",
-    "cuda_graph_impl", "cuda_graph_modules",
+    "cuda_graph_impl", "cuda_graph_modules", "use_megatron_fsdp", "data_parallel_sharding_strategy",
+    "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype",
 )
 
 
