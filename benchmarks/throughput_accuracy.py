@@ -104,10 +104,8 @@ def _era(plan: Plan, source: str, notes: list[str]) -> Plan:
         notes.append("era: NeMo/Bridge recipe (TE, TP comm overlap with TP>1)")
     p = plan.parallelism.model_copy(update=par) if par else plan.parallelism
     i = plan.implementation.model_copy(update=impl) if impl else plan.implementation
-    # Published runs ran on bare-metal hosts (DGX/HGX nodes), not this workplace's VMs: their launch
-    # rate never bound their layers (MCore README GPT 32B TP8: 4.6 ms per layer and micro-batch).
-    c = plan.cluster.model_copy(update={"host_floor_ms_per_layer": 0.0})
-    return plan.model_copy(update={"parallelism": p, "implementation": i, "cluster": c})
+    # (bare-metal hosts: plan_for_run gives published plans host_floor_ms_per_layer 0)
+    return plan.model_copy(update={"parallelism": p, "implementation": i})
 
 
 def published_cases() -> tuple[list[Case], list[str]]:

@@ -428,8 +428,11 @@ def plan_for_run(run: PublishedRun) -> RunPlan | None:
     if "passes with pytorch_cuda_alloc_conf=expandable_segments:true" in run.notes.lower():
         # the measured (passing) run is the one with expandable segments (an environment variable, not a flag)
         impl["expandable_segments"] = True
-    plan = Plan(model=model, cluster={"gpu": run.gpu, "num_gpus": run.num_gpus}, training=sections["training"],
-                parallelism=sections["parallelism"], implementation=impl)
+    # Published runs ran on bare-metal DGX/HGX hosts, whose launch rate did not bind their layers (MCore
+    # README GPT 32B TP8: 4.6 ms per layer and micro-batch), not on the VMs the catalog's host figure is from.
+    a.append("bare-metal host: host_floor_ms_per_layer 0 (the catalog's figure is this workplace's VMs')")
+    plan = Plan(model=model, cluster={"gpu": run.gpu, "num_gpus": run.num_gpus, "host_floor_ms_per_layer": 0.0},
+                training=sections["training"], parallelism=sections["parallelism"], implementation=impl)
     return RunPlan(run=run, catalog_model=key, plan=plan, assumptions=a)
 
 
