@@ -97,7 +97,7 @@ from mcore_advisor.physics.memory import (
     grads_in_fp32,
     stage_table,
 )
-from mcore_advisor.physics.moe import MoeKit, dominant_part, moe_layer
+from mcore_advisor.physics.moe import MoeKit, dominant_part, host_syncs_per_layer, moe_layer
 from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, parallel_dims
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +236,6 @@ channel while they run (16-32 channels on NVLink, fewer on InfiniBand, of 132 SM
 an estimate from NCCL's channel counts, not fitted."""
 
 UB_PIPELINE_SPLITS = 4
-UB_COMM_SMS = 16
 """tp_comm_overlap as Megatron's --tp-comm-overlap sets it up without a --tp-comm-overlap-cfg file: Transformer
 Engine's initialize_ub defaults (transformer_engine/pytorch/module/base.py): 'ring_exchange' (peer-to-peer
 sends on copy engines, one 1/tp chunk per step while the GEMM of the chunk in hand runs) for qkv_fprop,
@@ -294,7 +293,7 @@ local rank at once, after training). Taken as 1: Megatron's TE layer issues the 
 its extra Python (bias-dropout-add, RoPE, DDP hooks) was not separable on the lease that introduced the
 probe (s5, 4 x H100 VM: probes 5.0-16.2 ms per rank-slowest, median 8.4, against the 7.3-11.9 ms per
 reference layer that s4's host-bound dense rows on the same kind of VM imply). With each row's own
-probe the s5 rows' step-time error is 2.9% median held-out / 7.4% fitted; with the catalog's one-GPU
+probe the s5 rows' step-time error is 2.9% median held-out / 6.4% fitted; with the catalog's one-GPU
 VM figure (5.5) instead, 4.5% / 18.3% (benchmarks/results/gpu_h100x4_L_summary.md)."""
 
 
@@ -933,7 +932,7 @@ class _TpComm:
         SMs taken); the reduce-scatter after the row GEMM pipelined in UB_PIPELINE_SPLITS, its last split
         exposed; bulk overlap of the input re-gather with the column dgrad and of the dgrad reduce-scatter with
         the column wgrad. The overlapped GEMMs stretch by UB_GEMM_STRETCH (their split and the SMs the
-        pipelined and bulk kernels hold, UB_COMM_SMS)."""
+        pipelined and bulk kernels hold: 16 of them in TE's defaults)."""
         ag, ag_ub = self.ag, self.ag_ub
         tail = 1.0 / UB_PIPELINE_SPLITS
         # the GEMMs beside userbuffers kernels run UB_GEMM_STRETCH longer (split, SMs shared): booked here
@@ -1323,8 +1322,8 @@ def host_syncs_per_step(c: _Ctx, pipe: _Pipeline):
     """Host syncs per step on the slowest stage: with --check-for-nan-in-loss-and-grad, two loss checks
     per micro-batch (pretrain_gpt's loss_func: validate_result for NaN and Inf, each reading the loss
     back) and two per gradient bucket once per step (DDP start_grad_sync -> check_grads; buckets of
-    max(40M, 1M x DP) parameters with overlap_grad_reduce, else one per buffer); and one per MoE layer
-    and micro-batch (the token dispatcher reads tokens-per-expert back, _maybe_dtoh_and_synchronize)."""
+    max(40M, 1M x DP) parameters with overlap_grad_reduce, else one per buffer); and the token dispatcher's
+    per MoE layer and micro-batch (tokens-per-expert read back: physics.moe.host_syncs_per_layer)."""
     st = c.stages
     nan = 2.0 if c.impl.nan_checks else 0.0
     bucket = np.maximum(_BUCKET_MIN_PARAMS, _BUCKET_PARAMS_PER_DP * c.dp * c.cp)
@@ -1336,9 +1335,9 @@ def host_syncs_per_step(c: _Ctx, pipe: _Pipeline):
     dense, expert = at(st.dense_params), at(st.expert_params)
     buckets = np.where(c.overlap_grad > 0, np.ceil(dense / bucket) + np.ceil(expert / bucket),
                        1.0 + (expert > 0))
-    moe_layers = pipe.layers * float(c.shape.num_moe_layers) / float(c.shape.num_layers)
+    moe_syncs = pipe.layers * float(c.shape.num_moe_layers) / float(c.shape.num_layers) * host_syncs_per_layer(c.impl)
     loss = np.where(pipe.with_output, nan, 0.0)
-    return c.m * (loss + moe_layers) + nan * buckets
+    return c.m * (loss + moe_syncs) + nan * buckets
 
 
 def _host_waits(c: _Ctx, pipe: _Pipeline):

@@ -200,7 +200,7 @@ class RecommendRequest(BaseModel):
     min_headroom_gib: float = Field(0.0, ge=0, description="Memory that must stay free on the most-loaded GPU, GiB, on top of the memory model's fragmentation and CUDA-context allowances.")
     min_headroom_fraction: float = Field(LOW_HEADROOM_FRACTION, ge=0, le=0.5, description="The same as a fraction of GPU capacity (default: the 5% below which estimate_memory suggests changes, for routing imbalance and data-dependent peaks); the larger of the two applies.")
     allow_recompute: bool = Field(True, description="Allow activation recomputation (selective or full); False = none.")
-    allow_tp_comm_overlap: bool = Field(True, description="Turn on TP communication overlap (--tp-comm-overlap: Transformer Engine userbuffers) in every plan where it can run (Transformer Engine, sequence parallel, TP > 1 within one node); False = TP/SP collectives run exposed, as without the flag.")
+    allow_tp_comm_overlap: bool = Field(True, description="Consider TP communication overlap (--tp-comm-overlap: Transformer Engine userbuffers): every plan where it can run (Transformer Engine, sequence parallel, TP > 1 within one node) is timed with and without it; False = TP/SP collectives run exposed, as without the flag.")
     transformer_impl: Literal["transformer_engine", "local"] | None = Field(None, description="Layer spec; None = implementation.transformer_impl (Transformer Engine by default).")
     implementation: ImplementationSpec = Field(default_factory=ImplementationSpec, description="Kernel and buffer choices held fixed during the search (with use_torch_fsdp2 the search covers FSDP2 layouts: no PP, EP or distributed optimizer).")
     top_k: int = Field(5, ge=1, le=20, description="How many plans (distinct TP/PP/CP/EP/ETP/precision layouts) to return.")
@@ -532,9 +532,10 @@ def _split_notes(plans: list[RecommendedPlan]) -> list[str]:
         )
     if any(p.tp_comm_overlap for p in pars):
         notes.append(
-            "TP communication overlap (--tp-comm-overlap) is on wherever it can run: Transformer Engine userbuffers "
-            "with sequence parallelism, the TP group inside one node, Transformer Engine's default userbuffers "
-            "settings (no --tp-comm-overlap-cfg); their buffers are not in the memory estimate"
+            "TP communication overlap (--tp-comm-overlap, 'SP+overlap') is timed with and without wherever it can "
+            "run: Transformer Engine userbuffers with sequence parallelism, the TP group inside one node, Transformer "
+            "Engine's default userbuffers settings (no --tp-comm-overlap-cfg); it hides the TP collectives but "
+            "stretches the GEMMs beside it; their buffers are not in the memory estimate"
         )
     return notes
 

@@ -6,8 +6,8 @@ How one search runs (`search(inputs)`):
    with TP*PP*CP dividing the world size by construction (DP is derived; pinned values are tried
    even when they do not, so the validators can say why). Each VP is searched under the most balanced
    stage split Megatron builds with it: even, lighter first/last stages, or the embedding/loss-aware split
-   (`pipeline_splits`). TP communication overlap (--tp-comm-overlap) is on wherever it can run
-   (`tp_overlap_runs`). A layout is counted once, under the first check it fails, in this order:
+   (`pipeline_splits`). Where TP communication overlap (--tp-comm-overlap) can run (`tp_overlap_runs`),
+   the layout is timed with and without it. A layout is counted once, under the first check it fails, in this order:
    - model-state bound: the bf16 weights + gradient buffer + Adam state of the most-loaded
      pipeline rank, with the distributed optimizer (or FSDP) sharding as far as the layout allows,
      plus the CUDA context, already exceed the usable memory (physics.memory.model_state_gib, all
