@@ -56,6 +56,7 @@ MOE8_L = {**MOE8, "num_layers": 8, "hidden_size": 2048, "ffn_hidden_size": 5632,
           "moe_shared_expert_intermediate_size": 5632}
 MOE64_L = {**MOE8_L, "num_experts": 64, "moe_router_topk": 8, "moe_ffn_hidden_size": 1408}
 RUN_L = {"warmup_steps": 1, "measure_steps": 6, "profile_steps": (3, 3)}
+RUN_PEAK = {"warmup_steps": 2, "measure_steps": 5, "profile_steps": (4, 4)}
 
 
 def held_out(name: str) -> bool:
@@ -227,14 +228,60 @@ def large_spec_lines() -> list[dict]:
     return out
 
 
+def routing_rows(n: int) -> list[tuple[str, Plan]]:
+    """The third set (session s6, issues 15 and 20): the L set's MoE plans on n GPUs with the router as
+    it is (untrained, on mock data) and with --moe-router-force-load-balancing (random logits: what
+    Megatron-Bridge's performance tables run), the job recording tokens per expert; and the L set's
+    dense layouts on n GPUs that no lease has run, predicted before they ran."""
+    ep, grouped = {"expert_model_parallel_size": n}, {"moe_grouped_gemm": True}
+    forced = {"moe_router_force_load_balancing": True}
+    tp, pp, cp = {"tensor_model_parallel_size": n}, {"pipeline_model_parallel_size": n}, {"context_parallel_size": n}
+    rows = []
+    for tag, model in (("moe8top2", MOE8_L), ("moe64top8", MOE64_L)):
+        for disp in ("alltoall", "allgather"):
+            impl = {**grouped, "moe_token_dispatcher_type": disp}
+            rows.append((f"R_{tag}_ep{n}_{disp}", plan(model, n, seq=4096, gbs=8 * n, mbs=4, par=ep, impl=impl)))
+            rows.append((f"R_{tag}_ep{n}_{disp}_forced", plan(model, n, seq=4096, gbs=8 * n, mbs=4, par=ep,
+                                                              impl={**impl, **forced})))
+    m = LLAMA_L
+    rows += [
+        (f"R_pp{n}_vp2", plan(m, n, seq=4096, gbs=16, mbs=2, par={**pp, "virtual_pipeline_model_parallel_size": 2})),
+        (f"R_dp{n}_distopt_overlap", plan(m, n, seq=4096, gbs=8 * n, mbs=2)),
+        (f"R_tp{n}", plan(m, n, seq=4096, gbs=32, mbs=8, par=tp)),
+        (f"R_cp{n}_s16k", plan(m, n, seq=16384, gbs=2, par=cp)),
+        (f"R_pp{n}", plan(m, n, seq=4096, gbs=16, mbs=2, par=pp)),
+        (f"R_dp{n}_ddp_nooverlap", plan(m, n, seq=4096, gbs=8 * n, mbs=2, par=NO_DP_OVERLAP)),
+    ]
+    return rows
+
+
+#: rows of the third set that also record what is live at the memory peak (launcher/entry/mem_peak.py)
+MEMORY_PEAK_ROWS = ("R_moe8top2_ep2_alltoall", "R_moe8top2_ep2_alltoall_forced")
+
+
+def routing_spec_lines(n: int) -> list[dict]:
+    """The third set in run order: unforced MoE first (the routing record), each with its forced twin."""
+    out = []
+    for name, p in routing_rows(n):
+        peak = name in MEMORY_PEAK_ROWS
+        row = {"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": True,
+               "spec": job_spec(p, **(RUN_PEAK if peak else RUN_L))}
+        if peak:  # the history is recorded in iteration 2: a warm-up iteration in these rows
+            row["env"] = {"MCORE_ADVISOR_MEMORY_PEAK": "1"}
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large"), default="small",
-                    help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers)")
+    ap.add_argument("--set", choices=("small", "large", "routing"), default="small",
+                    help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
+                         "routing: the R_* plans (MoE routing as is and forced, new dense layouts)")
     a = ap.parse_args(argv)
-    lines = large_spec_lines() if a.set == "large" else spec_lines(a.gpus)
+    lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus)}.get(
+        a.set, lambda: spec_lines(a.gpus))()
     Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"wrote {len(lines)} runs ({sum(x['nproc'] == a.gpus for x in lines)} on {a.gpus} GPUs) to {a.out}")
 

@@ -63,6 +63,7 @@ def launch(row: dict, gpus: list[int], work_root: Path, port: int, device: str =
     env["PYTHONUNBUFFERED"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update({str(k): str(v) for k, v in (row.get("env") or {}).items()})  # a row's own switches (MCORE_ADVISOR_*)
     entry = ["-m", "mcore_advisor.launcher.entry.profile", "--spec", str(work / "spec.json"),
              "--out-dir", str(work / "out"), "--device", device]
     if row["nproc"] == 1:

@@ -30,6 +30,7 @@ NOT_FLAGS = {
     "cluster.scaleout_bandwidth_gbps": "a model input", "cluster.gpu_memory_gib": "a model input",
     "cluster.host_floor_ms_per_layer": "a model input",
     "implementation.expandable_segments": "PYTORCH_CUDA_ALLOC_CONF, an environment variable",
+    "implementation.moe_routing_imbalance": "a model input (measured routing)",
 }
 
 CATALOG = sorted(model_catalog())

@@ -82,3 +82,13 @@ def test_the_jobs_host_probe_sets_the_host_speed_it_predicts_with():
     assert as_ran(pinned, {**AS_RENDERED, "host": {"probe": probe}}).plan.cluster.host_floor_ms_per_layer == 3.0
     for other in ({**probe, "impl": "torch"}, {"error": "RuntimeError: no TE"}):
         assert as_ran(PLAN, {**AS_RENDERED, "host": {"probe": other}}).plan.cluster.host_floor_ms_per_layer is None
+
+
+def test_the_routing_a_job_recorded_is_what_gets_predicted_and_a_plan_figure_wins():
+    result = {**AS_RENDERED, "moe_routing": {"rank_imbalance_mean": 1.3164}}
+    ran = as_ran(PLAN, result)
+    assert ran.plan.implementation.moe_routing_imbalance == 1.3164
+    assert "moe_routing_imbalance 1.316 (the job's routing record)" in ran.differences
+    own = with_changes(PLAN, "implementation", moe_routing_imbalance=1.1)
+    assert as_ran(own, result).plan.implementation.moe_routing_imbalance == 1.1
+    assert as_ran(PLAN, AS_RENDERED).plan.implementation.moe_routing_imbalance is None  # no record: the model's estimate

@@ -135,7 +135,8 @@ def test_no_dispatch_time_without_expert_parallelism_and_allgather_sends_every_t
     kit = stm._moe_kit()
     assert float(moe.dispatch_s(_ctx(_plan())[0], kit)[0]) == 0.0
     par = {"expert_model_parallel_size": 8}
-    a2a = moe.dispatch_s(_ctx(_plan(gpus=8, par=par))[0], kit)
+    # measured routing exactly balanced (routing_imbalance's own noise is tested below)
+    a2a = moe.dispatch_s(_ctx(_plan(gpus=8, par=par, impl={"moe_routing_imbalance": 1.0}))[0], kit)
     ag = moe.dispatch_s(_ctx(_plan(gpus=8, par=par, impl={"moe_token_dispatcher_type": "allgather"}))[0], kit)
     c = _ctx(_plan(gpus=8, par=par))[0]
     ramp_half = stm.COLLECTIVE_HALF_BANDWIDTH_BYTES
@@ -144,6 +145,33 @@ def test_no_dispatch_time_without_expert_parallelism_and_allgather_sends_every_t
         return nbytes * 7 / 8 / c.nv * (nbytes + ramp_half) / nbytes + stm.COLLECTIVE_LATENCY_S + 3 * stm.NVLINK_HOP_LATENCY_S
     assert float(a2a[0]) == pytest.approx(nvlink_s(8192 * 2 * 1024 * 2.0))  # T x top-2 rows of h bf16
     assert float(ag[0]) == pytest.approx(nvlink_s(8192 * 1024 * 2.0 * 8))  # every token to all 8 ranks
+
+
+def test_routing_imbalance_forced_balance_is_sampling_noise_and_a_measured_figure_wins(monkeypatch):
+    par = {"expert_model_parallel_size": 8}
+    forced = _ctx(_plan(gpus=8, par=par, impl={"moe_router_force_load_balancing": True}))[0]
+    # 8,192 tokens x top-2 x 8 EP ranks = 131,072 choices: a rank's share has cv sqrt(7/8 * 8 / 131072);
+    # the busiest of 8 lies Blom's E[max of 8 normals] = inv_cdf(7.625 / 8.25) = 1.4342 spreads above
+    assert float(moe.routing_imbalance(forced)[0]) == pytest.approx(1 + 1.43420 * (7 / 8 * 8 / 131072) ** 0.5, rel=1e-4)
+    measured = _ctx(_plan(gpus=8, par=par, impl={"moe_routing_imbalance": 1.7}))[0]
+    assert float(moe.routing_imbalance(measured)[0]) == 1.7
+    assert float(moe.routing_imbalance(_ctx(_plan(impl={"moe_routing_imbalance": 1.7}))[0])[0]) == 1.0  # no EP peers
+    monkeypatch.setattr(moe, "UNTRAINED_EXPERT_LOAD_CV", 0.5)
+    free = _ctx(_plan(gpus=8, par=par))[0]
+    # 8 experts on 8 ranks: one expert each, cv 0.5 (x sqrt(7/7)), sampling noise beside it
+    expect = 1 + 1.43420 * (0.5 ** 2 + 7 / 8 * 8 / 131072) ** 0.5
+    assert float(moe.routing_imbalance(free)[0]) == pytest.approx(expect, rel=1e-4)
+    assert float(moe.routing_imbalance(forced)[0]) < 1.02  # forcing removes the router's spread
+
+
+def test_the_busiest_rank_sets_expert_time_and_dispatch_bytes():
+    kit = stm._moe_kit()
+    par = {"expert_model_parallel_size": 8}
+    one = _ctx(_plan(gpus=8, par=par, impl={"moe_routing_imbalance": 1.0}))[0]
+    two = _ctx(_plan(gpus=8, par=par, impl={"moe_routing_imbalance": 2.0}))[0]
+    assert float(moe.tokens_per_expert(two)[0][0]) == pytest.approx(2 * float(moe.tokens_per_expert(one)[0][0]))
+    assert float(moe.experts(two, kit)["gemm_f"][0]) > 1.8 * float(moe.experts(one, kit)["gemm_f"][0])
+    assert float(moe.dispatch_s(two, kit)[0]) > 1.8 * float(moe.dispatch_s(one, kit)[0]) - 1e-4
 
 
 def test_grouped_experts_run_at_the_probed_fraction_of_the_gemm_model():

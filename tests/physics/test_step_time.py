@@ -7,7 +7,7 @@ import pytest
 
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics import step_time as perf
-from mcore_advisor.physics.layouts import LayoutBatch
+from mcore_advisor.physics.layouts import Implementation, LayoutBatch
 from mcore_advisor.physics.memory import memory_breakdown
 from mcore_advisor.physics.step_time import (
     hardware_params,
@@ -302,7 +302,9 @@ def test_vectorised_path_scores_moe_and_recompute_grids_in_one_call():
     shape = resolve_model(ModelSpec(name="mixtral-8x7b"))
     hw = hardware_params(ClusterSpec(gpu="h100-sxm", num_gpus=64))
     ep, rc = (x.ravel() for x in np.meshgrid([1, 2, 4, 8], [0, 1, 2], indexing="ij"))
-    batch = LayoutBatch(shape, 4096, 256, tp=2, pp=4, dp=8, ep=ep, sequence_parallel=True, recompute=rc)
+    # routing measured balanced: routing_imbalance's sampling noise (tested in test_moe.py) grows with EP
+    impl = Implementation.of(ImplementationSpec(moe_routing_imbalance=1.0))
+    batch = LayoutBatch(shape, 4096, 256, impl=impl, tp=2, pp=4, dp=8, ep=ep, sequence_parallel=True, recompute=rc)
     r = {k: v.reshape(4, 3) for k, v in step_time_arrays(batch, hw).items()}
     t = r["iteration_time_s"]
     assert t.shape == (4, 3) and np.all(np.isfinite(t)) and np.all(t > 0)

@@ -50,7 +50,19 @@ def as_ran(plan: Plan, result: Mapping[str, Any] | None) -> AsRan:
     diffs = [f"{k} {v}" + (" (the plan asked for " + str(getattr(im, k)) + ")" if k == "transformer_impl" else "")
              for k, v in changes.items()]
     plan = with_changes(plan, "implementation", **changes) if changes else plan
+    plan, diffs = _with_measured_routing(plan, result, diffs)
     return _on_measured_host(plan, result, diffs)
+
+
+def _with_measured_routing(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -> tuple[Plan, list[str]]:
+    """The plan with the routing the job recorded (entry/moe_routing.py: the busiest EP rank's tokens over
+    the mean, per MoE layer call), unless the plan sets its own."""
+    measured = (result.get("moe_routing") or {}).get("rank_imbalance_mean")
+    if measured is None or plan.implementation.moe_routing_imbalance is not None:
+        return plan, diffs
+    value = round(max(1.0, float(measured)), 4)
+    return (with_changes(plan, "implementation", moe_routing_imbalance=value),
+            diffs + [f"moe_routing_imbalance {value:.3f} (the job's routing record)"])
 
 
 def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -> AsRan:

@@ -65,6 +65,8 @@ class Implementation:
     use_precision_aware_optimizer: bool = False
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
+    moe_router_force_load_balancing: bool = False
+    moe_routing_imbalance: float | None = None
 
     @classmethod
     def of(cls, im: ImplementationSpec, *, fp8_recipe: str = "delayed", fp8_param_gather: bool = False,

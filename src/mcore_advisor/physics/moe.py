@@ -4,7 +4,7 @@ One function per part of Megatron-Core's MoELayer (megatron/core/transformer/moe
 (gating GEMM, top-k, the aux-loss scores, the expert bias), the token permute/unpermute (moe_utils.permute,
 fused or not), the routed experts (TEGroupedMLP's grouped GEMM at the real per-expert shape, or
 SequentialMLP's loop), the shared experts, the dispatcher's communication (alltoall, allgather, flex/DeepEP;
-NVLink inside a node, the NICs across nodes), the load on the busiest EP rank, and what the host pays to
+NVLink inside a node, the NICs across nodes), the load on the busiest EP rank (routing_imbalance), and what the host pays to
 launch each part (counted from Megatron-LM's traces; CUDA graphs remove the captured parts' launches) with
 the host syncs each dispatcher makes and the GPU's wait for the launches after them. `moe_layer` assembles
 them into the part dict step_time's layer model reads, and `moe_part_times` / `dominant_part` say where the
@@ -132,11 +132,41 @@ their copies and permute 1 come before the sync, both sort_chunks_by_idxs and th
 GRAPHED_LAUNCHES = 1.0
 """A captured part replays as one graph launch (torch.cuda.CUDAGraph.replay)."""
 
-ROUTING_IMBALANCE = 1.0
-"""Tokens on the busiest EP rank over the mean, for real routing. 1.0: the model assumes routing as
-balanced as --moe-router-force-load-balancing makes it (the plan has no routing-statistics field). The
-2 x H200 traces (benchmarks/results/gpu_h200x2_table.md) put 0.10-1.18 s per step into all-to-all waits on
-mock-data runs without an aux loss; that is rank skew (host and routing), not yet separated, so not used."""
+UNTRAINED_EXPERT_LOAD_CV = 0.0
+"""Spread of the tokens each expert receives (std / mean over the experts of one MoE layer call) that an
+untrained router adds beyond sampling noise: its random gating weights favour some experts for every
+token alike. Measured by the profile job's routing record (launcher/entry/moe_routing.py, result
+moe_routing.expert_load_cv_mean) on Megatron-LM runs from initialisation; see routing_imbalance."""
+
+
+def _expected_max_normal(n) -> np.ndarray:
+    """E[max of n independent standard normals] (Blom's approximation, within 1% for n <= 4,096); 0 for n = 1."""
+    from statistics import NormalDist
+
+    n = np.asarray(n, dtype=np.float64)
+    inv = np.vectorize(lambda q: NormalDist().inv_cdf(q))
+    return np.where(n > 1, inv((np.maximum(n, 2.0) - 0.375) / (np.maximum(n, 2.0) + 0.25)), 0.0)
+
+
+def routing_imbalance(c) -> np.ndarray:
+    """Tokens the busiest EP rank receives over the mean, per MoE layer call: every all-to-all waits for
+    it, so its experts set the layer's time. A measured figure (implementation.moe_routing_imbalance)
+    wins. Else each rank sums E/EP experts' loads; their spread is the sampling noise of T*k*EP token
+    choices (what --moe-router-force-load-balancing leaves: uniform random routing) plus, without it,
+    an untrained router's expert-load spread (UNTRAINED_EXPERT_LOAD_CV) over sqrt(E/EP) experts (with the
+    finite-population correction: the EP ranks share a fixed total); the busiest of EP such ranks lies
+    E[max of EP normals] spreads above the mean, and never above EP (all tokens on one rank)."""
+    ep = np.asarray(c.ep, dtype=np.float64)
+    if c.impl.moe_imbalance is not None:
+        return np.where(ep > 1, float(c.impl.moe_imbalance), 1.0)
+    E, k = float(c.shape.num_experts), float(c.shape.moe_router_topk)
+    slots = c.T_sp * k * ep  # token choices one layer call routes over the EP group
+    cv_sampling = np.sqrt(np.maximum(1.0 - 1.0 / ep, 0.0) * ep / np.maximum(slots, 1.0))
+    per_rank = E / np.maximum(ep, 1.0)
+    router_cv = 0.0 if c.impl.moe_force_balanced else UNTRAINED_EXPERT_LOAD_CV
+    cv_router = router_cv / np.sqrt(per_rank) * np.sqrt(np.maximum(E - per_rank, 0.0) / max(E - 1.0, 1.0))
+    spread = np.sqrt(cv_sampling ** 2 + cv_router ** 2)
+    return np.where(ep > 1, np.minimum(ep, 1.0 + _expected_max_normal(ep) * spread), 1.0)
 
 
 @dataclass(frozen=True)
@@ -185,11 +215,11 @@ def permute(c, kit: MoeKit, fused: bool = False) -> dict:
 
 
 def tokens_per_expert(c):
-    """(tokens through this GPU's local experts, per local expert, local experts): balanced routing
-    T*k*etp/tp over E/ep experts, times the busiest EP rank's share (ROUTING_IMBALANCE)."""
+    """(tokens through the busiest EP rank's local experts, per local expert, local experts): balanced
+    routing T*k*etp/tp over E/ep experts, times routing_imbalance."""
     shape = c.shape
     local = float(shape.num_experts) / c.ep
-    T_exp = c.T * float(shape.moe_router_topk) * c.etp / c.tp * np.where(c.ep > 1, ROUTING_IMBALANCE, 1.0)
+    T_exp = c.T * float(shape.moe_router_topk) * c.etp / c.tp * routing_imbalance(c)
     return T_exp, T_exp / local, local
 
 
@@ -236,7 +266,7 @@ def dispatch_s(c, kit: MoeKit) -> Any:
     part inside the node crosses NVLink, the rest the rank's NIC; both run at once (the slower sets it)."""
     shape, ep, gpn = c.shape, c.ep, float(c.hw.gpus_per_node)
     h, k = float(shape.hidden_size), float(shape.moe_router_topk)
-    disp = c.T_sp * k * h * 2.0 * np.where(ep > 1, ROUTING_IMBALANCE, 1.0)
+    disp = c.T_sp * k * h * 2.0 * routing_imbalance(c)
     if c.impl.moe_dispatcher == "allgather":
         disp = c.T_sp * h * 2.0 * ep
     ep_span = c.etp * ep
@@ -394,4 +424,4 @@ def dominant_part(times: dict) -> tuple[str, float]:
 
 __all__ = ["MoeKit", "attention_part_kernels", "dispatch_s", "dispatcher_kernels", "dominant_part", "experts",
            "host_kernels", "host_pieces", "host_syncs_per_layer", "moe_layer", "moe_part_times", "moe_parts", "permute",
-           "post_sync_kernels_f", "router", "shared_experts", "tokens_per_expert"]
+           "post_sync_kernels_f", "router", "routing_imbalance", "shared_experts", "tokens_per_expert"]

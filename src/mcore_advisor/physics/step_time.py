@@ -548,6 +548,8 @@ class _Impl:
     grad_acc_fusion: bool = True
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool = True
+    moe_force_balanced: bool = False  # --moe-router-force-load-balancing
+    moe_imbalance: float | None = None  # measured busiest-EP-rank load over the mean (physics.moe.routing_imbalance)
     ce_fusion: bool = True
     recompute_modules: tuple[str, ...] = ("core_attn",)
     cuda_graph_impl: str = "none"
@@ -576,6 +578,8 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         moe_dispatcher=im.moe_token_dispatcher_type,
         # the local spec's experts are always SequentialMLP (LocalSpecProvider.grouped_mlp_modules)
         moe_grouped_gemm=im.moe_grouped_gemm and im.transformer_impl == "transformer_engine",
+        moe_force_balanced=im.moe_router_force_load_balancing,
+        moe_imbalance=im.moe_routing_imbalance,
         ce_fusion=im.cross_entropy_loss_fusion,
         recompute_modules=im.recompute_modules if im.recompute_modules is not None else ("core_attn",),
         cuda_graph_impl=im.cuda_graph_impl,
@@ -1491,7 +1495,8 @@ def _assumptions(plan: Plan, hw: HardwareParams) -> list[str]:
     if p.tp_comm_overlap and not (p.sequence_parallel and p.tensor_model_parallel_size > 1):
         out.append("tp_comm_overlap ignored: it needs sequence_parallel with TP > 1")
     if plan.model.num_experts or resolve_model(plan.model).is_moe:
-        out.append("MoE routing timed as balanced (physics.moe.ROUTING_IMBALANCE); token permute unfused (Megatron's "
+        out.append("MoE routing: the busiest EP rank's load from physics.moe.routing_imbalance (measured when "
+                   "implementation.moe_routing_imbalance is set); token permute unfused (Megatron's "
                    "default); no all-to-all/compute overlap (--overlap-moe-expert-parallel-comm is not a plan field)")
     if im.use_torch_fsdp2 or im.use_megatron_fsdp:
         kind = f"Megatron-FSDP {im.data_parallel_sharding_strategy}" if im.use_megatron_fsdp else "torch FSDP2"
