@@ -62,6 +62,8 @@ from typing import Any
 import mcore_advisor.physics.anatomy as _anatomy
 from mcore_advisor.launcher.entry import argv as _argv
 from mcore_advisor.launcher.entry import host_probe as _host_probe
+from mcore_advisor.launcher.entry import mem_peak as _mem_peak
+from mcore_advisor.launcher.entry import moe_routing as _moe_routing
 from mcore_advisor.launcher.entry import result as _contract
 from mcore_advisor.launcher.entry import trace as _trace
 from mcore_advisor.launcher.entry import trainlog as _trainlog
@@ -399,6 +401,10 @@ class _Hooks:
         self.memory_after: dict[int, dict[str, float]] = {}
         self.after_setup: dict[str, float] | None = None
         self.num_params_local: int | None = None
+        # Diagnostics beside the figures: the router's tokens per expert in the measured iterations,
+        # and (MCORE_ADVISOR_MEMORY_PEAK=1) what is live at iteration 2's memory peak.
+        self.routing = _moe_routing.Recorder()
+        self.peak = _mem_peak.PeakRecorder(use_cuda)
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> _Hooks:
@@ -413,12 +419,16 @@ class _Hooks:
             kind = self.kinds[it - 1] if it <= len(self.kinds) else "extra"
             if kind == "measure" and "measure" not in self.kinds[:it - 1]:
                 self.host.measure_start()
+            self.routing.recording = kind == "measure"
+            self.peak.begin(it)
             self.host.begin_iteration()
             t0 = time.perf_counter()
             out = orig_step(*args, **kwargs)
             self._sync()
             self.host_s.append(time.perf_counter() - t0)
             self.host.end_iteration()
+            self.routing.recording = False
+            self.peak.end(it)
             if kind == "measure" and "measure" not in self.kinds[it:]:
                 self.host.measure_end()
             self.memory_after[it] = _memory_mb(self.use_cuda)
@@ -436,6 +446,7 @@ class _Hooks:
 
         training.train_step = train_step
         training.setup_model_and_optimizer = setup_model_and_optimizer
+        self.routing.install()
         return self
 
     def _sync(self) -> None:
@@ -449,6 +460,7 @@ class _Hooks:
 
         for name, fn in self._saved.items():
             setattr(training, name, fn)
+        self.routing.uninstall()
         self.host.close()
 
 
@@ -577,10 +589,14 @@ class Job:
             "memory_lines": capture.memory_lines,
             "timer_lines": capture.timer_lines,
             "theoretical_lines": capture.theoretical_lines,
+            "moe_routing": hooks.routing.report(args),
+            "memory_peak": hooks.peak.report(self.rank),
+            "notes": hooks.routing.notes + hooks.peak.notes,
         }
         rows = sorted(self._gather(mine), key=lambda r: r["rank"])
         if self.rank != 0 and self.mode != "memory_at_scale":
             return None
+        self.notes += list(dict.fromkeys(n for r in rows for n in r["notes"] if n not in self.notes))
         gbs = args.global_batch_size
         # The full-s^2 count needs the spec's model shape, which a shrunk (CI) run does not have.
         full = None if self.shrink else _anatomy.flops_per_iteration(self.spec["model"], args.seq_length, gbs, "full",
@@ -592,7 +608,24 @@ class Job:
         result.update(self._memory(rows))
         result["settings"] = _settings(args)
         result["transformer_impl"] = args.transformer_impl
+        self._diagnostics(rows, args, result)
         return result
+
+    def _diagnostics(self, rows, args, result: dict[str, Any]) -> None:
+        """result's moe_routing and memory_peak from the ranks' recorders; a fault is a note, never a failure."""
+        try:
+            routing = _moe_routing.summarize([r["moe_routing"] for r in rows], local_only=self.mode == "memory_at_scale")
+        except Exception as exc:
+            routing = None
+            self.notes.append(f"MoE routing summary failed: {type(exc).__name__}: {exc}"[:300])
+        if routing:
+            result["moe_routing"] = routing
+        elif getattr(args, "num_experts", None):
+            self.notes.append("MoE routing: no router call recorded in the measured iterations "
+                              "(a CUDA-graphed router replays without calling TopKRouter.forward)")
+        peaks = _mem_peak.pick([r["memory_peak"] for r in rows])
+        if peaks:
+            result["memory_peak"] = peaks
 
     def _base(self, rows, kinds) -> dict[str, Any]:
         import torch
@@ -739,7 +772,7 @@ _SETTINGS = (
     "overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "grad_reduce_in_bf16", "manual_gc", "manual_gc_interval",
     "check_for_nan_in_loss_and_grad", "tp_comm_overlap", "fake_process_group", "use_torch_fsdp2",
     "cuda_graph_impl", "cuda_graph_modules", "use_megatron_fsdp", "data_parallel_sharding_strategy",
-    "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype",
+    "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype", "moe_router_force_load_balancing",
 )
 
 

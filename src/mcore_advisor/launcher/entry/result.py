@@ -87,6 +87,64 @@ class MemoryMb(TypedDict):
     max_reserved_mb: float
 
 
+class RoutingCall(TypedDict):
+    """One rank's first recorded router call: tokens it routed to each expert (before any EP sum)."""
+
+    rank: int
+    layer: int
+    tokens_per_expert: list[int]
+
+
+class MoeRouting(TypedDict):
+    """How the router routed in the measured iterations (entry/moe_routing.py summarize)."""
+
+    ep_size: int
+    num_experts: int
+    ep_groups: int
+    """Expert-parallel groups summarised (per pipeline stage)."""
+    calls: int
+    """Router calls summarised, over all EP groups (a call: one layer's routing of one micro-batch)."""
+    rank_imbalance_mean: float
+    """Mean over calls of max / mean of the tokens the group's EP ranks receive (the all-to-all waits on the max)."""
+    rank_imbalance_max: float
+    expert_load_cv_mean: float
+    """Mean over calls of the per-expert token counts' population std / mean."""
+    expert_max_over_mean_mean: float
+    per_layer: dict[str, float]
+    """Megatron's layer number -> mean rank imbalance of its calls."""
+    tokens_per_ep_rank_mean: list[float]
+    """Per EP rank (index in its group): tokens received per call, averaged over calls."""
+    first_call_per_rank: list[RoutingCall]
+    """The ranks of rank 0's EP group: their first call's counts as routed."""
+    dropped_calls: int
+    """Calls not kept (the per-rank cap, entry/moe_routing.py MAX_COUNTS_PER_RANK)."""
+    source: str
+
+
+class PeakGroup(TypedDict):
+    where: str
+    """'file:line function' of the innermost megatron/ or transformer_engine/ frame of the allocation."""
+    bytes: int
+    count: int
+
+
+class MemoryPeak(TypedDict):
+    """The blocks live at one rank's replayed peak of iteration 2 (entry/mem_peak.py; MCORE_ADVISOR_MEMORY_PEAK=1)."""
+
+    rank: int
+    iteration: int
+    peak_bytes_replayed: int
+    """Requested bytes live at the peak (the trace's sizes; below max_allocated_bytes by the allocator's rounding)."""
+    before_recording_bytes: int
+    max_allocated_bytes: int
+    """torch.cuda.max_memory_allocated() at the end of the recorded iteration."""
+    peak_event: int
+    events: int
+    trace_full: bool
+    """The recorder's ring buffer filled: the iteration's earliest allocations count as 'before iteration 2'."""
+    groups: list[PeakGroup]
+
+
 Mode = Literal["profile", "memory_at_scale"]
 
 
@@ -148,6 +206,10 @@ class ProfileResult(TypedDict):
     settings: dict[str, Any]
     """Megatron's parsed arguments that decide what a run costs (launcher/as_ran.py reads them)."""
     transformer_impl: str
+    moe_routing: NotRequired[MoeRouting]
+    """Absent when the model has no MoE layer (or no router call was recorded: see notes)."""
+    memory_peak: NotRequired[list[MemoryPeak]]
+    """Rank 0's and the most loaded rank's; only with MCORE_ADVISOR_MEMORY_PEAK=1 on CUDA."""
 
 
 # --------------------------------------------------------------------------- the figures get_job compares
