@@ -31,6 +31,7 @@ NOT_FLAGS = {
     "cluster.host_floor_ms_per_layer": "a model input",
     "implementation.expandable_segments": "PYTORCH_CUDA_ALLOC_CONF, an environment variable",
     "implementation.moe_routing_imbalance": "a model input (measured routing)",
+    "implementation.moe_expert_load_cv": "a model input (measured routing)",
 }
 
 CATALOG = sorted(model_catalog())

@@ -92,3 +92,11 @@ def test_the_routing_a_job_recorded_is_what_gets_predicted_and_a_plan_figure_win
     own = with_changes(PLAN, "implementation", moe_routing_imbalance=1.1)
     assert as_ran(own, result).plan.implementation.moe_routing_imbalance == 1.1
     assert as_ran(PLAN, AS_RENDERED).plan.implementation.moe_routing_imbalance is None  # no record: the model's estimate
+
+
+def test_a_fake_process_group_run_is_predicted_with_the_mean_expert_load():
+    moe = with_changes(PLAN, "model", name=None, num_layers=4, hidden_size=1024, num_attention_heads=16,
+                       ffn_hidden_size=2816, vocab_size=32000, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=2816)
+    ran = as_ran(moe, {**AS_RENDERED, "mode": "memory_at_scale"})
+    assert ran.plan.implementation.moe_routing_imbalance == 1.0  # the fake all-to-all returns a rank's own tokens
+    assert as_ran(PLAN, {**AS_RENDERED, "mode": "memory_at_scale"}).plan.implementation.moe_routing_imbalance is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from mcore_advisor.knowledge.models import resolve_model
@@ -21,7 +22,10 @@ MOE8 = {"num_layers": 12, "hidden_size": 1024, "num_attention_heads": 16, "num_q
 def _plan(model=None, gpus=1, impl=None, par=None) -> Plan:
     return Plan(model=model or MOE8, cluster={"gpu": "h100-sxm", "num_gpus": gpus},
                 training={"seq_length": 2048, "global_batch_size": 32, "micro_batch_size": 4},
-                parallelism=par or {}, implementation={"moe_grouped_gemm": True, **(impl or {})})
+                parallelism=par or {},
+                # forced-balance routing unless a test says otherwise: the hand counts below assume no
+                # heuristics-cache misses and an even load (both tested on their own)
+                implementation={"moe_grouped_gemm": True, "moe_router_force_load_balancing": True, **(impl or {})})
 
 
 def _ctx(plan: Plan):
@@ -55,7 +59,8 @@ EXPERTS_8 = (9.3 + 8 * 0.9, 23.5 + 8 * 4.6)  # two GroupedLinear calls + activat
 
 
 def test_host_launches_of_a_te_grouped_moe_layer_counted_part_by_part():
-    c, L = _ctx(_plan())
+    # forced-balance routing: every expert's token count stays within cuBLASLt's heuristics cache
+    c, L = _ctx(_plan(impl={"moe_router_force_load_balancing": True}))
     assert (float(L.dense["kernels_f"][0]), float(L.dense["kernels_b"][0])) == (16.0, 34.0)
     kf, kb = moe.host_kernels(c, L, moe.moe_parts(c, stm._moe_kit()))
     # attention part, router 3.3 / 8, unfused permute 5 / 6, the alltoall dispatcher's always-made work
@@ -66,8 +71,9 @@ def test_host_launches_of_a_te_grouped_moe_layer_counted_part_by_part():
 
 def test_dispatcher_collectives_cost_host_time_only_with_expert_parallel_peers():
     kit, par = stm._moe_kit(), {"expert_model_parallel_size": 8}
-    c1, L1 = _ctx(_plan())
-    c8, L8 = _ctx(_plan(gpus=8, par=par))
+    forced = {"moe_router_force_load_balancing": True}  # no heuristics-cache misses (tested above)
+    c1, L1 = _ctx(_plan(impl=forced))
+    c8, L8 = _ctx(_plan(gpus=8, par=par, impl=forced))
     one = moe.host_kernels(c1, L1, moe.moe_parts(c1, kit))
     eight = moe.host_kernels(c8, L8, moe.moe_parts(c8, kit))
     # EP 8: one local expert instead of 8 (7 fewer per-expert shares), plus the all-to-alls, the counts'
@@ -157,7 +163,7 @@ def test_routing_imbalance_forced_balance_is_sampling_noise_and_a_measured_figur
     assert float(moe.routing_imbalance(measured)[0]) == 1.7
     assert float(moe.routing_imbalance(_ctx(_plan(impl={"moe_routing_imbalance": 1.7}))[0])[0]) == 1.0  # no EP peers
     monkeypatch.setattr(moe, "UNTRAINED_EXPERT_LOAD_CV", 0.5)
-    free = _ctx(_plan(gpus=8, par=par))[0]
+    free = _ctx(_plan(gpus=8, par=par, impl={"moe_router_force_load_balancing": False}))[0]
     # 8 experts on 8 ranks: one expert each, cv 0.5 (x sqrt(7/7)), sampling noise beside it
     expect = 1 + 1.43420 * (0.5 ** 2 + 7 / 8 * 8 / 131072) ** 0.5
     assert float(moe.routing_imbalance(free)[0]) == pytest.approx(expect, rel=1e-4)

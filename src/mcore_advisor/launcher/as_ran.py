@@ -56,13 +56,22 @@ def as_ran(plan: Plan, result: Mapping[str, Any] | None) -> AsRan:
 
 def _with_measured_routing(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -> tuple[Plan, list[str]]:
     """The plan with the routing the job recorded (entry/moe_routing.py: the busiest EP rank's tokens over
-    the mean, per MoE layer call), unless the plan sets its own."""
-    measured = (result.get("moe_routing") or {}).get("rank_imbalance_mean")
-    if measured is None or plan.implementation.moe_routing_imbalance is not None:
+    the mean per MoE layer call, and the experts' load spread), where the plan sets neither itself."""
+    rec = dict(result.get("moe_routing") or {})
+    if result.get("mode") == "memory_at_scale" and resolve_model(plan.model).is_moe:
+        # under the fake process group each all-to-all hands a rank back its own tokens: its experts get
+        # exactly the mean load, whatever the router does
+        rec["rank_imbalance_mean"] = 1.0
+    im = plan.implementation
+    changes = {}
+    if rec.get("rank_imbalance_mean") is not None and im.moe_routing_imbalance is None:
+        changes["moe_routing_imbalance"] = round(max(1.0, float(rec["rank_imbalance_mean"])), 4)
+    if rec.get("expert_load_cv_mean") is not None and im.moe_expert_load_cv is None:
+        changes["moe_expert_load_cv"] = round(float(rec["expert_load_cv_mean"]), 4)
+    if not changes:
         return plan, diffs
-    value = round(max(1.0, float(measured)), 4)
-    return (with_changes(plan, "implementation", moe_routing_imbalance=value),
-            diffs + [f"moe_routing_imbalance {value:.3f} (the job's routing record)"])
+    return (with_changes(plan, "implementation", **changes),
+            diffs + [f"{k} {v:.3f} (the job's routing record)" for k, v in changes.items()])
 
 
 def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -> AsRan:

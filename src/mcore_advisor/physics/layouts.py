@@ -67,6 +67,7 @@ class Implementation:
     exp_avg_sq_dtype: str = "fp32"
     moe_router_force_load_balancing: bool = False
     moe_routing_imbalance: float | None = None
+    moe_expert_load_cv: float | None = None
 
     @classmethod
     def of(cls, im: ImplementationSpec, *, fp8_recipe: str = "delayed", fp8_param_gather: bool = False,

@@ -43,7 +43,7 @@ per parameter are written once (`WEIGHT_BYTES_PER_PARAM`, `gradient_bytes_per_pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -64,6 +64,7 @@ from mcore_advisor.physics.activations import (  # noqa: F401 (the per-layer nam
     softmax_bytes_per_score,
 )
 from mcore_advisor.physics.anatomy import RankParams, anatomy, linear_weights, rank_params  # noqa: F401 (RankParams: re-exported)
+from mcore_advisor.physics.moe import busiest_rank_load, expert_load_cv
 from mcore_advisor.physics.layouts import (
     NUM_SLOTS,
     RECOMPUTE_FULL,
@@ -335,10 +336,23 @@ def _stage_activations(shape: ModelShape, seq: int, o: ActivationOptions, layers
     return saved, tuple(const) + (0.0,) * pad, tuple(slope) + (0.0,) * pad
 
 
+def moe_token_imbalance(shape: ModelShape, impl: Implementation, ep: int) -> float:
+    """Expert tokens of the busiest EP rank over the mean (physics.moe.busiest_rank_load; a measured
+    moe_routing_imbalance wins). Each rank's peak comes from its heaviest micro-batch, and over a run's
+    many micro-batches every rank is the busiest one in some: every rank's expert activations are sized
+    for it (2 x H100 EP2 runs: the router as is peaks 0.6-0.8 GiB above its forced-balance twin)."""
+    if impl.moe_routing_imbalance is not None:
+        return float(impl.moe_routing_imbalance)
+    cv = expert_load_cv(impl.moe_router_force_load_balancing, impl.moe_expert_load_cv)
+    return float(busiest_rank_load(shape, ep, cv))
+
+
 @lru_cache(maxsize=65536)
 def _activation_row(shape: ModelShape, seq: int, impl: Implementation, selective: bool, key: tuple[int, ...]) -> tuple:
     tp, pp, vp, cp, ep, etp, sp, fp8, first, last = key
     o = activation_options(impl, tp, cp, sp, fp8, ep, etp, selective)
+    if shape.is_moe and ep > 1:
+        o = replace(o, moe_token_imbalance=moe_token_imbalance(shape, impl, ep))
     kinds = layer_kinds(shape, seq, o)
     mtp_kind = kinds["moe"] if shape.is_moe and shape.moe_layer_pattern[-1] else kinds["dense"]
     out_fused = _out_fused(impl)

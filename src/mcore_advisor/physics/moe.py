@@ -132,12 +132,14 @@ their copies and permute 1 come before the sync, both sort_chunks_by_idxs and th
 GRAPHED_LAUNCHES = 1.0
 """A captured part replays as one graph launch (torch.cuda.CUDAGraph.replay)."""
 
-UNTRAINED_EXPERT_LOAD_CV = 0.0
-"""Spread of the tokens each expert receives (std / mean over the experts of one MoE layer call) that an
-untrained router adds beyond sampling noise: its random gating weights favour some experts for every
-token alike. Measured by the profile job's routing record (launcher/entry/moe_routing.py, result
-moe_routing.expert_load_cv_mean) on Megatron-LM runs from initialisation; see routing_imbalance."""
-
+UNTRAINED_EXPERT_LOAD_CV = 0.21
+"""Spread of the tokens each expert receives (std / mean over the experts of one MoE layer call) with an
+untrained router on Megatron's mock data: its random gating weights favour some experts for every token
+alike. Measured by the profile job's routing record (launcher/entry/moe_routing.py, result
+moe_routing.expert_load_cv_mean) on 2 x H100, Megatron-LM 0.19.2 + TE 2.20.2, hidden 2048, EP2, 16,384
+tokens per rank and micro-batch (benchmarks/results/gpu_h100x2_R_runs.jsonl): 0.184 with 8 experts top-2,
+0.234 with 64 experts top-8 (the two rows outside the held-out third; the held-out twins read 0.186 and
+0.234); with --moe-router-force-load-balancing 0.009 / 0.015, the sampling noise alone."""
 
 def _expected_max_normal(n) -> np.ndarray:
     """E[max of n independent standard normals] (Blom's approximation, within 1% for n <= 4,096); 0 for n = 1."""
@@ -148,25 +150,37 @@ def _expected_max_normal(n) -> np.ndarray:
     return np.where(n > 1, inv((np.maximum(n, 2.0) - 0.375) / (np.maximum(n, 2.0) + 0.25)), 0.0)
 
 
+def expert_load_cv(force_balanced: bool, measured: float | None) -> float:
+    """The router's expert-load spread beyond sampling noise: measured (a job's routing record) wins; 0 with
+    --moe-router-force-load-balancing; else an untrained router's (UNTRAINED_EXPERT_LOAD_CV)."""
+    if measured is not None:
+        return float(measured)
+    return 0.0 if force_balanced else UNTRAINED_EXPERT_LOAD_CV
+
+
+def busiest_rank_load(shape, ep, cv: float, slots=None) -> np.ndarray:
+    """Tokens the busiest EP rank receives over the mean, per MoE layer call. Each rank sums E/EP experts'
+    loads: spread `cv` over sqrt(E/EP) experts (with the finite-population correction: the EP ranks share
+    a fixed total) plus, given `slots` (token choices routed over the EP group per call), their sampling
+    noise; the busiest of EP ranks lies E[max of EP normals] spreads above the mean, never above EP."""
+    ep = np.asarray(ep, dtype=np.float64)
+    E = float(shape.num_experts)
+    per_rank = E / np.maximum(ep, 1.0)
+    spread2 = (cv / np.sqrt(per_rank)) ** 2 * np.maximum(E - per_rank, 0.0) / max(E - 1.0, 1.0)
+    if slots is not None:
+        spread2 = spread2 + np.maximum(1.0 - 1.0 / ep, 0.0) * ep / np.maximum(slots, 1.0)
+    return np.where(ep > 1, np.minimum(ep, 1.0 + _expected_max_normal(ep) * np.sqrt(spread2)), 1.0)
+
+
 def routing_imbalance(c) -> np.ndarray:
-    """Tokens the busiest EP rank receives over the mean, per MoE layer call: every all-to-all waits for
-    it, so its experts set the layer's time. A measured figure (implementation.moe_routing_imbalance)
-    wins. Else each rank sums E/EP experts' loads; their spread is the sampling noise of T*k*EP token
-    choices (what --moe-router-force-load-balancing leaves: uniform random routing) plus, without it,
-    an untrained router's expert-load spread (UNTRAINED_EXPERT_LOAD_CV) over sqrt(E/EP) experts (with the
-    finite-population correction: the EP ranks share a fixed total); the busiest of EP such ranks lies
-    E[max of EP normals] spreads above the mean, and never above EP (all tokens on one rank)."""
+    """The busiest EP rank's load over the mean for the time model: every all-to-all waits for that rank,
+    so its experts set the layer's time. A measured figure (implementation.moe_routing_imbalance) wins;
+    else busiest_rank_load with the T_sp*k*EP token choices of one call."""
     ep = np.asarray(c.ep, dtype=np.float64)
     if c.impl.moe_imbalance is not None:
         return np.where(ep > 1, float(c.impl.moe_imbalance), 1.0)
-    E, k = float(c.shape.num_experts), float(c.shape.moe_router_topk)
-    slots = c.T_sp * k * ep  # token choices one layer call routes over the EP group
-    cv_sampling = np.sqrt(np.maximum(1.0 - 1.0 / ep, 0.0) * ep / np.maximum(slots, 1.0))
-    per_rank = E / np.maximum(ep, 1.0)
-    router_cv = 0.0 if c.impl.moe_force_balanced else UNTRAINED_EXPERT_LOAD_CV
-    cv_router = router_cv / np.sqrt(per_rank) * np.sqrt(np.maximum(E - per_rank, 0.0) / max(E - 1.0, 1.0))
-    spread = np.sqrt(cv_sampling ** 2 + cv_router ** 2)
-    return np.where(ep > 1, np.minimum(ep, 1.0 + _expected_max_normal(ep) * spread), 1.0)
+    cv = expert_load_cv(c.impl.moe_force_balanced, c.impl.moe_expert_cv)
+    return busiest_rank_load(c.shape, ep, cv, slots=c.T_sp * float(c.shape.moe_router_topk) * ep)
 
 
 @dataclass(frozen=True)
@@ -424,4 +438,5 @@ def dominant_part(times: dict) -> tuple[str, float]:
 
 __all__ = ["MoeKit", "attention_part_kernels", "dispatch_s", "dispatcher_kernels", "dominant_part", "experts",
            "host_kernels", "host_pieces", "host_syncs_per_layer", "moe_layer", "moe_part_times", "moe_parts", "permute",
-           "post_sync_kernels_f", "router", "routing_imbalance", "shared_experts", "tokens_per_expert"]
+           "post_sync_kernels_f", "router", "busiest_rank_load", "expert_load_cv", "routing_imbalance",
+           "shared_experts", "tokens_per_expert"]

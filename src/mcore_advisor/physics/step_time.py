@@ -550,6 +550,7 @@ class _Impl:
     moe_grouped_gemm: bool = True
     moe_force_balanced: bool = False  # --moe-router-force-load-balancing
     moe_imbalance: float | None = None  # measured busiest-EP-rank load over the mean (physics.moe.routing_imbalance)
+    moe_expert_cv: float | None = None  # measured expert-load spread (physics.moe.expert_load_cv)
     ce_fusion: bool = True
     recompute_modules: tuple[str, ...] = ("core_attn",)
     cuda_graph_impl: str = "none"
@@ -580,6 +581,7 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         moe_grouped_gemm=im.moe_grouped_gemm and im.transformer_impl == "transformer_engine",
         moe_force_balanced=im.moe_router_force_load_balancing,
         moe_imbalance=im.moe_routing_imbalance,
+        moe_expert_cv=im.moe_expert_load_cv,
         ce_fusion=im.cross_entropy_loss_fusion,
         recompute_modules=im.recompute_modules if im.recompute_modules is not None else ("core_attn",),
         cuda_graph_impl=im.cuda_graph_impl,
@@ -779,6 +781,24 @@ ATTENTION_HOST_KERNELS = (2.0, 4.0)
 """(forward, backward) kernels the host is charged for core attention: TE's fused kernel with its layout
 and softmax-statistics work; Megatron's DotProductAttention issues its handful of plain PyTorch ops
 (baddbmm, masked_fill_, softmax, bmm, permute) at about the host cost of one TE attention call."""
+
+
+CP_ATTENTION_HOST_KERNELS_PER_STEP = (4.7, 10.3)
+"""(forward, backward) host units of Transformer Engine's context-parallel attention per ring step (with
+CP > 1 they replace ATTENTION_HOST_KERNELS: AttnFuncWithCPAndKVP2P loops over the CP ranks in Python, each
+step a K/V send/receive, an attention call on its chunk and the softmax-statistics correction).
+Rank-0 traces, 2 x H100, CP2 (session s6: cp2_s16k of gpu_h100x2_S, R_cp2_s16k of gpu_h100x2_R; no
+held-out row): AttnFuncWithCPAndKVP2P 3.95 / 2.24 ms per call forward = 14.0 / 11.0 TE Linear calls of the
+same trace, its backward 7.9 / 7.0 Linear backward nodes; at 0.755 units per Linear call and 2.77 per
+backward node (the dense traces' conversion, physics.moe) and 2 steps per call: 4.7 / 10.3. Non-CP fused
+attention in the same lease: 1.8 Linear calls / 1.1 nodes, what ATTENTION_HOST_KERNELS charges."""
+
+
+def _attention_host_kernels(c: _Ctx) -> tuple:
+    """(forward, backward) host units of one layer's core attention (CP_ATTENTION_HOST_KERNELS_PER_STEP
+    x CP with context parallelism)."""
+    (f, b), (sf, sb) = ATTENTION_HOST_KERNELS, CP_ATTENTION_HOST_KERNELS_PER_STEP
+    return np.where(c.cp > 1, c.cp * sf, f), np.where(c.cp > 1, c.cp * sb, b)
 
 
 def _core_attention(c: _Ctx, a: _AttentionGemms) -> tuple:
@@ -995,7 +1015,7 @@ def _dense_layer(c: _Ctx) -> _Layers:
     tpa = tp_comm(sum(x[1] for x in a.lin), a.lin[0][2], a.proj[1], a.proj[0], a.lin[0][0], a.gather_width)
     tpm = tp_comm(fc1[1], fc1[2], fc2[1], fc2[0], fc1[0])
     cp_f, cp_b = _cp_ring(c, a, attn_f, attn_b)
-    attn_k = ATTENTION_HOST_KERNELS
+    attn_k = _attention_host_kernels(c)
     gemms = float(len(a.lin) + 1 + 2)
     dense = {
         "gemm_f": a.gemm_f + (fc1[0] + fc2[0]), "gemm_b": a.gemm_b + (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
