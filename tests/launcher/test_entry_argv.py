@@ -89,3 +89,16 @@ def test_shrink_keeps_an_uneven_pipeline_split_by_fitting_pp_first():
     # DeepSeek-V3's first 3 dense layers shrink to 1 dense + 1 MoE; MLA and MTP stay
     assert A.value(small, "--moe-layer-freq") == "[0,1]"
     assert A.values(small, "--multi-latent-attention") == [] and A.value(small, "--mtp-num-layers") == "1"
+
+
+def test_shrink_keeps_megatrons_embedding_and_loss_aware_split_divisible():
+    # DeepSeek-V2-Lite's recommended layout: 27 layers, PP2 x VP7, the loss counted as a layer (28 = 2 x 7 x 2)
+    plan = {"model": {"name": "deepseek-v2-lite"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 8},
+            "training": {"seq_length": 4096, "global_batch_size": 64},
+            "parallelism": {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 7,
+                            "account_for_loss_in_pipeline_split": True, "expert_model_parallel_size": 2}}
+    small, _ = A.shrink(megatron_argv(Plan(**plan), train_iters=1, profile_steps=None, seed=1234), 2)
+    pp, vp = int(A.value(small, "--pipeline-model-parallel-size")), int(A.value(small, "--num-virtual-stages-per-pipeline-rank"))
+    layers = int(A.value(small, "--num-layers"))
+    # TransformerConfig: (num_layers + 1) divides by PP, and the per-rank count by VP, with 2 per chunk
+    assert (pp, vp) == (2, 7) and layers == 27 and (layers + 1) % (pp * vp) == 0

@@ -269,7 +269,14 @@ def shrink(argv: Argv, world: int) -> tuple[Argv, list[Adjustment]]:
 
 
 def _small_layers(argv: Argv, pp: int, vp: int) -> int:
-    """2 layers per pipeline chunk, 1 per chunk when interleaved, plus room for uneven first/last."""
+    """2 layers per pipeline chunk, 1 per chunk when interleaved, plus room for uneven first/last. With
+    --account-for-embedding/loss-in-pipeline-split the embedding and the loss count as a layer each in
+    Megatron's split (TransformerConfig: num_layers + them divides by PP x VP), so they take a layer's place,
+    and chunks keep 2 so the end chunks still hold a decoder layer."""
+    accounted = sum(values(argv, f) is not None for f in ("--account-for-embedding-in-pipeline-split",
+                                                          "--account-for-loss-in-pipeline-split"))
+    if pp > 1 and accounted:
+        return pp * vp * 2 - accounted
     per_chunk = 1 if vp > 1 else 2
     layers = pp * vp * per_chunk
     first = values(argv, "--decoder-first-pipeline-num-layers") is not None
