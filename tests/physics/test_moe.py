@@ -34,11 +34,19 @@ def _ctx(plan: Plan):
     return c, stm._dense_layer(c)
 
 
-def test_permute_moves_each_routed_token_row_in_and_out_twice():
+def test_permute_moves_each_routed_token_row_in_and_out_twice_and_adds_it_back_at_the_index_add_rate():
     c, _ = _ctx(_plan())
     t_sp, k, h = 4 * 2048, 2, 1024
-    expected = 2 * 2 * t_sp * k * h * 2.0 / c.bw_ew  # read + write, permute + unpermute, bf16
-    assert float(moe.permute(c, stm._moe_kit())["ew_f"][0]) == pytest.approx(expected, rel=1e-12)
+    rows = t_sp * k * h * 2.0  # one pass over the routed bf16 rows
+    # the alltoall dispatcher's sort by local expert (8 local experts): 2 sorts, read + write each
+    sort = 2 * 2 * t_sp * k * h * 2.0
+    p = moe.permute(c, stm._moe_kit())
+    assert float(p["ew_f"][0]) == pytest.approx((4 * rows + sort) / c.bw_ew, rel=1e-12)
+    # backward: the unpermute's gradient gathered (read + write), the permute's added back by index_add_
+    expected_b = (4 * rows + 2 * rows + sort) / c.bw_ew + rows / moe.INDEX_ADD_BYTES_PER_S
+    assert float(p["ew_b"][0]) == pytest.approx(expected_b, rel=1e-12)
+    ag, _ = _ctx(_plan(impl={"moe_token_dispatcher_type": "allgather"}))  # no sort by local expert
+    assert float(moe.permute(ag, stm._moe_kit())["ew_f"][0]) == pytest.approx(4 * rows / ag.bw_ew, rel=1e-12)
 
 
 def test_the_aux_loss_adds_its_score_bytes_to_the_router():

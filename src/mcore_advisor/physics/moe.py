@@ -219,13 +219,28 @@ def router(c, kit: MoeKit) -> dict:
     return {"gemm_f": gemm[0], "gemm_b": gemm[1] + gemm[2], "ew_f": ew, "ew_b": 2.0 * ew, "kernels": (kf, kb)}
 
 
+INDEX_ADD_BYTES_PER_S = 225e9
+"""bf16 rows per second (bytes of the source rows) that the permute's backward, index_select's gradient
+(torch index_add_ with atomics: indexFuncLargeIndex), adds back into the token order on H100. Rank-0
+traces of iteration 3, 2 x H100 (gpu_h100x2_R, forced-balance rows): 64 experts top-8, 131,072 rows of
+2,048 per layer and micro-batch, 2.34 ms per call = 229 GB/s (not held out); 8 experts top-2, 32,768 rows,
+0.61 ms = 220 GB/s (held out: a check). Plain copies run at the elementwise rate (14x faster)."""
+
+
 def permute(c, kit: MoeKit, fused: bool = False) -> dict:
     """Token permute before the experts and unpermute after them (moe_utils.permute / unpermute): each
-    reads and writes T_sp * k rows of h bf16 values, forward and backward. `fused` = --moe-permute-fusion
-    (TE's kernels; no plan field yet, so Megatron's default, unfused)."""
+    reads and writes T_sp * k rows of h bf16 values forward; backward the unpermute's gradient gathers
+    (read + write) and the permute's adds back with index_add_ (INDEX_ADD_BYTES_PER_S). The alltoall
+    dispatcher with several local experts also sorts the received rows by expert before the experts and
+    back after them (sort_chunks_by_idxs: split + cat, read + write each, forward and backward). `fused` =
+    --moe-permute-fusion (TE's kernels; no plan field yet, so Megatron's default, unfused)."""
     k, h = float(c.shape.moe_router_topk), float(c.shape.hidden_size)
-    bytes_f = 2 * 2 * c.T_sp * k * h * 2.0
-    return {"ew_f": bytes_f / c.bw_ew, "ew_b": 2.0 * bytes_f / c.bw_ew, "kernels": PERMUTE_HOST_KERNELS[fused]}
+    rows = c.T_sp * k * h * 2.0  # one pass over the routed rows
+    bytes_f = 2 * 2 * rows
+    T_exp, _, local = tokens_per_expert(c)
+    sort = (2 * 2 * T_exp * h * 2.0 * np.where(local > 1, 1.0, 0.0)) if c.impl.moe_dispatcher == "alltoall" else 0.0
+    ew_b = (bytes_f + 2 * rows + sort) / c.bw_ew + rows / INDEX_ADD_BYTES_PER_S
+    return {"ew_f": (bytes_f + sort) / c.bw_ew, "ew_b": ew_b, "kernels": PERMUTE_HOST_KERNELS[fused]}
 
 
 def tokens_per_expert(c):

@@ -65,8 +65,9 @@ Efficiency parameters (module constants below, each with how it was measured or 
 and global; kernel rates come from micro-benchmarks on this workplace's H100/H200. Three figures
 are fitted on the one-GPU rows of Megatron-LM's own loop outside the held-out third
 (`benchmarks/throughput_accuracy.py --fit`): the VM hosts' host_floor_ms_per_layer (GPU catalog),
-HOST_SYNC_KERNELS and the PyTorch bf16 softmax path's bytes. Not modelled: MoE routing imbalance
-and all-to-all/compute overlap, stragglers at scale, CUDA graphs.
+HOST_SYNC_KERNELS and the PyTorch bf16 softmax path's bytes. MoE routing sets the busiest EP rank's
+load (physics.moe.busiest_rank_load). Not modelled: all-to-all/compute overlap, stragglers at scale,
+cuBLASLt's heuristic warm-up for new expert GEMM shapes (a short run's first iterations).
 """
 
 from __future__ import annotations
