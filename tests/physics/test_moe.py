@@ -210,3 +210,14 @@ def test_each_moe_prediction_names_its_dominant_part():
 
 def test_dominant_part_reports_the_largest_share():
     assert moe.dominant_part({"experts": 3.0, "dispatch": 1.0}) == ("experts", pytest.approx(0.75))
+
+
+def test_te_fused_permute_adds_rows_back_at_the_copy_rate_and_launches_once_per_direction():
+    c, _ = _ctx(_plan(impl={"moe_permute_fusion": True}))
+    t_sp, k, h = 4 * 2048, 2, 1024
+    rows, sort = t_sp * k * h * 2.0, 2 * 2 * t_sp * k * h * 2.0
+    p = moe.permute(c, stm._moe_kit())
+    assert float(p["ew_b"][0]) == pytest.approx((4 * rows + 2 * rows + sort + 2 * rows) / c.bw_ew, rel=1e-12)
+    assert p["kernels"] == moe.PERMUTE_HOST_KERNELS[True]
+    local, _ = _ctx(_plan(impl={"moe_permute_fusion": True, "transformer_impl": "local"}))
+    assert local.impl.moe_permute_fused is False  # TE's kernels: the local spec cannot fuse

@@ -844,6 +844,8 @@ SETTINGS: tuple[Row, ...] = (
                             "load-balancing loss; set it to the recipe's value"),
     _e(_M + "moe_router_enable_expert_bias", "--moe-router-enable-expert-bias", "store_true",
        "model.moe_router_enable_expert_bias: aux-loss-free balancing bias", default=False, gate=moe),
+    _e(_I + "moe_permute_fusion", "--moe-permute-fusion", "store_true",
+       "implementation.moe_permute_fusion: TE's fused token permute/unpermute", default=False, gate=moe),
     _e(_I + "moe_router_force_load_balancing", "--moe-router-force-load-balancing", "store_true",
        "implementation.moe_router_force_load_balancing: random router logits, balanced experts (benchmarks)",
        default=False, gate=moe),

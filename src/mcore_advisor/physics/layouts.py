@@ -66,6 +66,7 @@ class Implementation:
     exp_avg_dtype: str = "fp32"
     exp_avg_sq_dtype: str = "fp32"
     moe_router_force_load_balancing: bool = False
+    moe_permute_fusion: bool = False
     moe_routing_imbalance: float | None = None
     moe_expert_load_cv: float | None = None
 

@@ -83,7 +83,7 @@ H200 host): forward + backward 0.7-0.9 ms without the aux loss, 1.2-1.4 ms with 
 PERMUTE_HOST_KERNELS = {False: (5.0, 6.0), True: (2.0, 4.0)}
 """Token permute + unpermute (moe_utils.permute: argsort, remainder, index_select; unpermute: zeros +
 scatter_add; the allgather path's masked_select of the local probs): allgather trace 4.8 / 5.5 units.
-Fused (--moe-permute-fusion, TE's kernels; no plan field, not traced): one call per direction."""
+Fused (--moe-permute-fusion, TE's kernels; not traced): one call per direction."""
 
 DISPATCHER_HOST_KERNELS = {"alltoall": ((5.1, 12.9), (8.9, 9.1)), "allgather": ((3.4, 2.0), (3.3, 7.3)),
                            "flex": ((3.4, 2.0), (3.3, 7.3))}
@@ -227,19 +227,22 @@ traces of iteration 3, 2 x H100 (gpu_h100x2_R, forced-balance rows): 64 experts 
 0.61 ms = 220 GB/s (held out: a check). Plain copies run at the elementwise rate (14x faster)."""
 
 
-def permute(c, kit: MoeKit, fused: bool = False) -> dict:
+def permute(c, kit: MoeKit) -> dict:
     """Token permute before the experts and unpermute after them (moe_utils.permute / unpermute): each
     reads and writes T_sp * k rows of h bf16 values forward; backward the unpermute's gradient gathers
     (read + write) and the permute's adds back with index_add_ (INDEX_ADD_BYTES_PER_S). The alltoall
     dispatcher with several local experts also sorts the received rows by expert before the experts and
-    back after them (sort_chunks_by_idxs: split + cat, read + write each, forward and backward). `fused` =
-    --moe-permute-fusion (TE's kernels; no plan field yet, so Megatron's default, unfused)."""
+    back after them (sort_chunks_by_idxs: split + cat, read + write each, forward and backward). With
+    --moe-permute-fusion (TE's kernels) every pass, the backward's too, is a plain read + write and each
+    direction one launch (PERMUTE_HOST_KERNELS)."""
+    fused = bool(c.impl.moe_permute_fused)
     k, h = float(c.shape.moe_router_topk), float(c.shape.hidden_size)
     rows = c.T_sp * k * h * 2.0  # one pass over the routed rows
     bytes_f = 2 * 2 * rows
     T_exp, _, local = tokens_per_expert(c)
     sort = (2 * 2 * T_exp * h * 2.0 * np.where(local > 1, 1.0, 0.0)) if c.impl.moe_dispatcher == "alltoall" else 0.0
-    ew_b = (bytes_f + 2 * rows + sort) / c.bw_ew + rows / INDEX_ADD_BYTES_PER_S
+    add_back = 2 * rows / c.bw_ew if fused else rows / INDEX_ADD_BYTES_PER_S
+    ew_b = (bytes_f + 2 * rows + sort) / c.bw_ew + add_back
     return {"ew_f": (bytes_f + sort) / c.bw_ew, "ew_b": ew_b, "kernels": PERMUTE_HOST_KERNELS[fused]}
 
 

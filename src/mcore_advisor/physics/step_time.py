@@ -550,6 +550,7 @@ class _Impl:
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool = True
     moe_force_balanced: bool = False  # --moe-router-force-load-balancing
+    moe_permute_fused: bool = False  # --moe-permute-fusion (Transformer Engine's kernels)
     moe_imbalance: float | None = None  # measured busiest-EP-rank load over the mean (physics.moe.routing_imbalance)
     moe_expert_cv: float | None = None  # measured expert-load spread (physics.moe.expert_load_cv)
     ce_fusion: bool = True
@@ -581,6 +582,7 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         # the local spec's experts are always SequentialMLP (LocalSpecProvider.grouped_mlp_modules)
         moe_grouped_gemm=im.moe_grouped_gemm and im.transformer_impl == "transformer_engine",
         moe_force_balanced=im.moe_router_force_load_balancing,
+        moe_permute_fused=im.moe_permute_fusion and im.transformer_impl == "transformer_engine",
         moe_imbalance=im.moe_routing_imbalance,
         moe_expert_cv=im.moe_expert_load_cv,
         ce_fusion=im.cross_entropy_loss_fusion,

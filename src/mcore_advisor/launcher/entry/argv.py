@@ -9,7 +9,7 @@ ran (launcher/as_ran.py):
   `--memory-snapshot-path`) are placed in the job's --out-dir;
 - without Transformer Engine, TE's implementation choices fall back to Megatron's local ones:
   `--transformer-impl local`, `--no-rope-fusion`, and `--attention-backend` (flash/fused are TE kernels),
-  `--moe-grouped-gemm`, `--tp-comm-overlap` and `--cross-entropy-fusion-impl te` are dropped;
+  `--moe-grouped-gemm`, `--moe-permute-fusion`, `--tp-comm-overlap` and `--cross-entropy-fusion-impl te` are dropped;
   FP8 (`--fp8-format`) is refused: it changes the numerics, not just the kernels;
 - with the local spec and no Apex, `--no-persist-layer-norm` (Megatron's torch norm refuses the
   persistent kernel, torch_norm.py WrappedTorchNorm);
@@ -151,7 +151,7 @@ def for_machine(argv: Argv, machine: Machine, out_dir: str) -> tuple[Argv, list[
         if uses_te(ed.argv):
             ed.put("--transformer-impl", "local", why=f"no Transformer Engine {where}: Megatron's local spec")
         ed.put("--no-rope-fusion", why=f"the fused RoPE kernel is Transformer Engine's; none {where}")
-        for flag in ("--attention-backend", "--moe-grouped-gemm", "--tp-comm-overlap"):
+        for flag in ("--attention-backend", "--moe-grouped-gemm", "--tp-comm-overlap", "--moe-permute-fusion"):
             ed.drop(flag, why=f"a Transformer Engine feature; no Transformer Engine {where}")
         if value(ed.argv, "--cross-entropy-fusion-impl") == "te":
             ed.drop("--cross-entropy-fusion-impl", why=f"Transformer Engine's cross entropy; Megatron's native one {where}")
@@ -186,7 +186,7 @@ SMALL_TOPK = 2
 
 #: Flags whose meaning needs the Transformer Engine kernels; the CPU CI drops them.
 TE_ONLY = ("--fp8-format", "--fp8-recipe", "--fp8-param-gather", "--tp-comm-overlap", "--attention-backend",
-           "--moe-grouped-gemm")
+           "--moe-grouped-gemm", "--moe-permute-fusion")
 
 
 def _fit(size: int, room: int) -> int:
