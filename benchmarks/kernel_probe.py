@@ -36,6 +36,8 @@ def emit(**kw):
     kw = {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in kw.items()}  # 4 significant digits: kernel times are ~1e-5 s
     records.append(kw)
     print(json.dumps(kw), flush=True)
+    with open(os.path.join(OUT, "kernel_probe.partial.jsonl"), "a") as fh:  # what a timeout leaves behind
+        fh.write(json.dumps(kw) + "\n")
 
 
 def bench(fn, rep=200):
@@ -199,14 +201,22 @@ def adam():
 
 
 # --------------------------------------------------------------------------- MoE parts (issue 15)
-#: (hidden, expert ffn): the probe runs' 8- and 64-expert models, a Qwen3-30B-A3B-like and a wider expert
-MOE_EXPERT_SHAPES = ((1024, 2816), (1024, 704), (2048, 768), (4096, 1536))
-MOE_LOCAL_EXPERTS = (4, 32)
-MOE_TOKENS_PER_EXPERT = (64, 256, 1024, 4096)
+#: (hidden, expert ffn), most-wanted first: catalog models' experts (Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS,
+#: DeepSeek-V3, DeepSeek-V2-Lite / Moonlight), the probe runs' 64- and 8-expert models, Mixtral 8x7B
+MOE_EXPERT_SHAPES = ((2048, 768), (4096, 1536), (2880, 2880), (7168, 2048), (2048, 1408), (1024, 704),
+                     (1024, 2816), (4096, 14336))
+#: local experts per rank (E / EP); Mixtral's 8 experts give at most 8, and its wide experts fill memory sooner
+MOE_LOCAL_EXPERTS = (4, 8, 16, 32)
+MOE_LOCAL_EXPERTS_WIDE = (1, 2, 4)
+MOE_TOKENS_PER_EXPERT = (64, 256, 512, 1024, 4096)
+#: Megatron's SequentialMLP (one GEMM pair per expert) is timed up to this many local experts
+MOE_LOOP_MAX_EXPERTS = 8
 #: one MoE layer's local work at 4096 tokens: (hidden, expert ffn, experts, topk)
 MOE_LAYERS = ((1024, 2816, 8, 2), (1024, 704, 64, 8), (2048, 768, 128, 8))
 MOE_TOKENS = (4096, 16384)
 MOE_REP_MS = 60
+#: the grouped-GEMM grid stops starting cases after this many seconds (the other MoE parts still run)
+MOE_GRID_BUDGET_S = float(os.environ.get("MOE_GRID_BUDGET_S", "420"))
 
 
 def _swiglu(x):
@@ -225,35 +235,56 @@ def _te():
 
 
 def _expert_impls(h, f, e, t, te):
-    """name -> forward of e SwiGLU experts (fc1 h->2f, fc2 f->h) on e*t tokens, t per expert."""
+    """name -> forward of e SwiGLU experts (fc1 h->2f, fc2 f->h) on e*t tokens, t per expert; TE first (what
+    Megatron's TEGroupedMLP runs: a cuBLAS GEMM per expert), so a grid cut short by its budget still has it."""
     x = torch.randn(e * t, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    w1 = (0.02 * torch.randn(e, 2 * f, h, device=dev, dtype=torch.bfloat16)).requires_grad_()
-    w2 = (0.02 * torch.randn(e, h, f, device=dev, dtype=torch.bfloat16)).requires_grad_()
-    impls = {
-        # one expert's weights on all e*t tokens: the dense rate at the same total work
-        "dense_same_tokens": lambda: _swiglu(x @ w1[0].t()) @ w2[0].t(),
-        # Megatron's SequentialMLP: one GEMM pair per local expert
-        "loop": lambda: torch.cat([_swiglu(xe @ w1[i].t()) @ w2[i].t() for i, xe in enumerate(x.split(t))]),
-    }
-    if hasattr(torch, "_grouped_mm"):
-        offs = torch.arange(t, e * t + 1, t, device=dev, dtype=torch.int32)
-        impls["torch_grouped_mm"] = lambda: torch._grouped_mm(
-            _swiglu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)), w2.transpose(-2, -1), offs=offs)
+    impls = {}
     if te is not None:
         fc1 = te.GroupedLinear(e, h, 2 * f, bias=False, params_dtype=torch.bfloat16, device="cuda")
         fc2 = te.GroupedLinear(e, f, h, bias=False, params_dtype=torch.bfloat16, device="cuda")
         splits = [t] * e
-        # Megatron's TEGroupedMLP (moe_grouped_gemm with the TE spec)
         impls["te_grouped_linear"] = lambda: fc2(_swiglu(fc1(x, splits)), splits)
+    w1 = (0.02 * torch.randn(e, 2 * f, h, device=dev, dtype=torch.bfloat16)).requires_grad_()
+    w2 = (0.02 * torch.randn(e, h, f, device=dev, dtype=torch.bfloat16)).requires_grad_()
+    # one expert's weights on all e*t tokens: the dense rate at the same total work
+    impls["dense_same_tokens"] = lambda: _swiglu(x @ w1[0].t()) @ w2[0].t()
+    if hasattr(torch, "_grouped_mm"):
+        offs = torch.arange(t, e * t + 1, t, device=dev, dtype=torch.int32)
+        impls["torch_grouped_mm"] = lambda: torch._grouped_mm(
+            _swiglu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)), w2.transpose(-2, -1), offs=offs)
+    if e <= MOE_LOOP_MAX_EXPERTS:  # Megatron's SequentialMLP: one GEMM pair per local expert
+        impls["loop"] = lambda: torch.cat([_swiglu(xe @ w1[i].t()) @ w2[i].t() for i, xe in enumerate(x.split(t))])
     return impls
 
 
 def moe_grouped_gemm(te):
+    import time
+
+    t0 = time.perf_counter()
     for h, f in MOE_EXPERT_SHAPES:
-        for e in MOE_LOCAL_EXPERTS:
+        for e in (MOE_LOCAL_EXPERTS_WIDE if f > 8192 else MOE_LOCAL_EXPERTS):
             for t in MOE_TOKENS_PER_EXPERT:
+                if time.perf_counter() - t0 > MOE_GRID_BUDGET_S:
+                    emit(kind="moe_note", note=f"grouped-GEMM grid stopped at its budget before h{h} f{f} e{e} t{t}")
+                    return
                 _grouped_case(h, f, e, t, te)
                 torch.cuda.empty_cache()
+
+
+def _host_issue_s(fn, n=10):
+    """CPU seconds to issue fn's kernels (no sync inside), the GPU drained before and after."""
+    import time
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    return t
+
+
+_GRAPH_FAILED: list = []  # a failed capture can leave the stream unusable: capture no more after one
 
 
 def _grouped_case(h, f, e, t, te):
@@ -262,10 +293,17 @@ def _grouped_case(h, f, e, t, te):
     for name, fwd in _expert_impls(h, f, e, t, te).items():
         rec = {"impl": name, "hidden": h, "ffn": f, "local_experts": e, "tokens_per_expert": t}
         try:
+            step = lambda fwd=fwd: fwd().backward(gy)  # noqa: E731
             tf = bench(fwd, rep=MOE_REP_MS)
-            tfb = bench(lambda fwd=fwd: fwd().backward(gy), rep=MOE_REP_MS)
+            tfb = bench(step, rep=MOE_REP_MS)
+            extra = {}
+            if name == "te_grouped_linear":  # the GPU's own time (graph replay) and the host's issue time
+                extra = {"host_issue_fwd_bwd_s": _host_issue_s(step)}
+                if not _GRAPH_FAILED:
+                    extra.update(_graphed(fwd, step))
+                    _GRAPH_FAILED.extend(k for k in extra if k.endswith("_error"))
             emit(kind="moe_grouped_gemm", **rec, fwd_s=tf, fwd_bwd_s=tfb, fwd_tflops=fl / tf / 1e12,
-                 fwd_bwd_tflops=3 * fl / tfb / 1e12)
+                 fwd_bwd_tflops=3 * fl / tfb / 1e12, **extra)
         except Exception as exc:
             emit(kind="moe_grouped_gemm", **rec, error=repr(exc)[:300])
 
@@ -281,7 +319,7 @@ def _routing(T, E, k):
 
 def moe_permute():
     for T in MOE_TOKENS:
-        for h, _, E, k in (*MOE_LAYERS, (4096, 0, 64, 8)):
+        for h, _, E, k in (*MOE_LAYERS, (4096, 0, 64, 8), (4096, 0, 128, 8), (7168, 0, 256, 8)):
             for fused in (False, True):
                 _permute_case(T, h, E, k, fused)
 

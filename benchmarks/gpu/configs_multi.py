@@ -272,15 +272,52 @@ def routing_spec_lines(n: int) -> list[dict]:
     return out
 
 
+#: the fourth set (session s7, issue 15): fine-grained MoE on one H100 at the per-rank shapes of the layouts
+#: the model was furthest off on (128 experts, top-8 or top-4, experts 768-2,880 wide; a 16-local-expert rank of
+#: Qwen3-235B-A22B's intra-node EP8), every layer MoE, predicted before they ran
+QWEN30_F = {**MOE, "num_layers": 4, "hidden_size": 2048, "num_attention_heads": 32, "num_query_groups": 4,
+            "ffn_hidden_size": 6144, "num_experts": 128, "moe_router_topk": 8, "moe_ffn_hidden_size": 768,
+            "qk_layernorm": True}
+#: a GPT-OSS EP4 rank's experts (32 local, 128 tokens each at 4,096 tokens: its top-4 of 128), 2 layers to fit
+GPTOSS_RANK_F = {**MOE, "num_layers": 2, "hidden_size": 2880, "num_attention_heads": 64, "num_query_groups": 8,
+                 "kv_channels": 64, "ffn_hidden_size": 2880, "num_experts": 32, "moe_router_topk": 1,
+                 "moe_ffn_hidden_size": 2880}
+QWEN235_RANK_F = {**MOE, "num_layers": 4, "hidden_size": 4096, "num_attention_heads": 64, "num_query_groups": 4,
+                  "ffn_hidden_size": 12288, "num_experts": 16, "moe_router_topk": 2, "moe_ffn_hidden_size": 1536,
+                  "qk_layernorm": True}
+
+
+def fine_rows() -> list[tuple[str, Plan]]:
+    grouped = {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall"}
+    forced = {**grouped, "moe_router_force_load_balancing": True}
+    return [
+        ("F_qwen30like_e128k8_s4k", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1, impl=grouped)),
+        ("F_qwen30like_e128k8_s4k_forced", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1, impl=forced)),
+        ("F_qwen30like_e128k8_s4k_mbs4", plan(QWEN30_F, 1, seq=4096, gbs=16, mbs=4, impl=forced)),
+        ("F_gptossrank_e32k1_s4k", plan(GPTOSS_RANK_F, 1, seq=4096, gbs=8, mbs=1, impl=forced)),
+        ("F_qwen235rank_e16k2_s4k", plan(QWEN235_RANK_F, 1, seq=4096, gbs=8, mbs=1, impl=forced)),
+        ("F_qwen235rank_e16k2_s4k_mbs4", plan(QWEN235_RANK_F, 1, seq=4096, gbs=16, mbs=4, impl=forced)),
+        ("F_qwen30like_e128k8_s4k_sequential", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1,
+                                                    impl={"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": False,
+                                                          "moe_router_force_load_balancing": True})),
+    ]
+
+
+def fine_spec_lines() -> list[dict]:
+    return [{"name": name, "group": "multi", "nproc": 1, "held_out": held_out(name), "needs_te": True,
+             "spec": job_spec(p, **RUN_L)} for name, p in fine_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
-                         "routing: the R_* plans (MoE routing as is and forced, new dense layouts)")
+                         "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
+                         "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU)")
     a = ap.parse_args(argv)
-    lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus)}.get(
+    lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines}.get(
         a.set, lambda: spec_lines(a.gpus))()
     Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"wrote {len(lines)} runs ({sum(x['nproc'] == a.gpus for x in lines)} on {a.gpus} GPUs) to {a.out}")
