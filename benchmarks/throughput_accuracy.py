@@ -373,7 +373,10 @@ def moe_section(one: list[Case], multi: list[Case], pub: list[Case]) -> list[str
 
 
 def report() -> str:
-    one, multi = one_gpu_cases(), multi_gpu_cases()
+    one, profiled = one_gpu_cases(), multi_gpu_cases()
+    # the profile job's one-GPU rows (e.g. gpu_h100_F_runs.jsonl) belong with section 1's
+    one += [c for c in profiled if c.plan.cluster.num_gpus == 1]
+    multi = [c for c in profiled if c.plan.cluster.num_gpus > 1]
     pub, skipped = published_cases()
     older = older_cases()
     for c in one + multi + pub + older:

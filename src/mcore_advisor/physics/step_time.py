@@ -144,6 +144,16 @@ K = h/t) slow: measured 362 TFLOP/s at M=8192, N=2048, K=256 on H100."""
 KERNEL_LAUNCH_S = 4e-6
 """Fixed cost per kernel (launch gap, prologue/ramp); same fit (square 1024^3 GEMM: 10 us)."""
 
+GEMM_OPERAND_BW_FRACTION = 1.0
+GEMM_ROOFLINE_EXPONENT = 4.0
+"""A GEMM also reads its operands and writes its output (elem_bytes * (MK + KN + MN)); where that
+takes longer than its FLOPs (few rows against a large weight: an expert that gets 64-512 tokens, a
+weight gradient reduced over them) the GEMM runs at HBM speed, reaching this fraction of it. The two
+times combine as (t_flops^p + t_bytes^p)^(1/p), which leaves large GEMMs at their FLOP time (+0.1% at
+M = 1,024). Fitted with physics.moe.GROUPED_GEMM_RELATIVE_RATE on the TE GroupedLinear cases of
+benchmarks/results/gpu_h100_F_kernel_moe.jsonl outside the held-out third (`benchmarks/moe_kernel_accuracy.py
+--fit`; the report gives the held-out cases apart)."""
+
 ATTENTION_EFFICIENCY = 0.58
 ATTENTION_HALF_RATE_SEQ = 1380.0
 FLASH2_RELATIVE_RATE = 0.6
@@ -473,19 +483,25 @@ def _wave_efficiency(m, n, groups, sms):
     return best
 
 
-def _gemm_s(m, n, k, rate_flops, bw_bytes, sms, groups=1.0):
-    """One (grouped) GEMM: FLOPs at the sustained rate over the wave efficiency + exposed epilogue."""
+def _gemm_s(m, n, k, rate_flops, bw_bytes, sms, groups=1.0, elem_bytes=2.0):
+    """One (grouped) GEMM: the FLOPs at the sustained rate over the wave efficiency and the operands'
+    bytes at HBM speed, combined as a soft maximum (GEMM_ROOFLINE_EXPONENT), + exposed epilogue + one
+    kernel per group (TE's GroupedLinear issues a cuBLAS GEMM per expert)."""
     m = np.maximum(m, 1.0)
     flops = 2.0 * m * n * k * groups
-    return flops / (rate_flops * _wave_efficiency(m, n, groups, sms)) + GEMM_EPILOGUE_EXPOSED * 2.0 * m * n * groups / bw_bytes + KERNEL_LAUNCH_S
+    t_flops = flops / (rate_flops * _wave_efficiency(m, n, groups, sms))
+    t_bytes = elem_bytes * (m * k + k * n + m * n) * groups / (bw_bytes * GEMM_OPERAND_BW_FRACTION)
+    p = GEMM_ROOFLINE_EXPONENT
+    return ((t_flops ** p + t_bytes ** p) ** (1.0 / p) + GEMM_EPILOGUE_EXPOSED * 2.0 * m * n * groups / bw_bytes
+            + KERNEL_LAUNCH_S * groups)
 
 
-def _linear_s(m, n, k, rate_flops, bw_bytes, sms, groups=1.0):
+def _linear_s(m, n, k, rate_flops, bw_bytes, sms, groups=1.0, elem_bytes=2.0):
     """(forward, dgrad, wgrad) of y[m,n] = x[m,k] @ w[k,n]."""
     return (
-        _gemm_s(m, n, k, rate_flops, bw_bytes, sms, groups),
-        _gemm_s(m, k, n, rate_flops, bw_bytes, sms, groups),
-        _gemm_s(k, n, m, rate_flops, bw_bytes, sms, groups),
+        _gemm_s(m, n, k, rate_flops, bw_bytes, sms, groups, elem_bytes),
+        _gemm_s(m, k, n, rate_flops, bw_bytes, sms, groups, elem_bytes),
+        _gemm_s(k, n, m, rate_flops, bw_bytes, sms, groups, elem_bytes),
     )
 
 
@@ -674,8 +690,11 @@ class _Ctx:
     host_b: float = 0.0  # host seconds per backward kernel
 
     def linear(self, m, n, k, groups=1.0, rate=None):
-        """(forward, dgrad, wgrad) of y[m,n] = x[m,k] @ w[k,n] on this GPU."""
-        return _linear_s(m, n, k, self.rate if rate is None else rate, self.bw, float(self.hw.num_sms), groups)
+        """(forward, dgrad, wgrad) of y[m,n] = x[m,k] @ w[k,n] on this GPU; FP8 operands are 1 byte (a rate
+        other than the bf16 one is the FP8 GEMMs')."""
+        rate = self.rate if rate is None else rate
+        elem = 1.0 if self.fp8 and rate != self.rate_bf16 else 2.0
+        return _linear_s(m, n, k, rate, self.bw, float(self.hw.num_sms), groups, elem)
 
     def link(self, stride, size):
         return _group_link(stride, size, float(self.hw.gpus_per_node), self.nv, self.net)

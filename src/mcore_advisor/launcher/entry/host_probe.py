@@ -16,6 +16,7 @@ introduced the probe). Without TE, torch modules of the same sizes stand in, lab
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -79,18 +80,23 @@ def _measure() -> dict[str, Any]:
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    cpu0, wall0 = time.thread_time(), time.perf_counter()
+    wall, cpu = [], []
     for _ in range(ITERATIONS):
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
         layer(x).backward(grad)
-    host_s, cpu_s = time.perf_counter() - wall0, time.thread_time() - cpu0
+        wall.append(time.perf_counter() - wall0)
+        cpu.append(time.thread_time() - cpu0)
     end.record()
     torch.cuda.synchronize()
     gpu_s = start.elapsed_time(end) / 1e3
     del layer, x, grad
     torch.cuda.empty_cache()
-    return {"ms_per_layer": 1e3 * host_s / ITERATIONS, "cpu_ms_per_layer": 1e3 * cpu_s / ITERATIONS,
-            "gpu_ms_per_layer": 1e3 * gpu_s / ITERATIONS, "impl": impl, "tokens": TOKENS,
-            "iterations": ITERATIONS}
+    # The median: a few stalled passes (an allocation, another process on the CPU) move a mean by 2x
+    # between jobs on one machine (sessions s6-s7: means of 4.1-9.8 ms on one H100 VM).
+    return {"ms_per_layer": 1e3 * statistics.median(wall), "statistic": "median",
+            "mean_ms_per_layer": 1e3 * statistics.fmean(wall), "cpu_ms_per_layer": 1e3 * statistics.median(cpu),
+            "gpu_ms_per_layer": 1e3 * gpu_s / ITERATIONS, "per_iteration_ms": [round(1e3 * w, 3) for w in wall],
+            "impl": impl, "tokens": TOKENS, "iterations": ITERATIONS}
 
 
 def summary(per_rank: list[dict[str, Any] | None]) -> dict[str, Any] | None:
