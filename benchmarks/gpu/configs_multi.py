@@ -278,9 +278,10 @@ def routing_spec_lines(n: int) -> list[dict]:
 QWEN30_F = {**MOE, "num_layers": 4, "hidden_size": 2048, "num_attention_heads": 32, "num_query_groups": 4,
             "ffn_hidden_size": 6144, "num_experts": 128, "moe_router_topk": 8, "moe_ffn_hidden_size": 768,
             "qk_layernorm": True}
-#: a GPT-OSS EP4 rank's experts (32 local, 128 tokens each at 4,096 tokens: its top-4 of 128), 2 layers to fit
-GPTOSS_RANK_F = {**MOE, "num_layers": 2, "hidden_size": 2880, "num_attention_heads": 64, "num_query_groups": 8,
-                 "kv_channels": 64, "ffn_hidden_size": 2880, "num_experts": 32, "moe_router_topk": 1,
+#: a GPT-OSS EP2 rank's experts (64 local, 128 tokens each at 4,096 tokens: its top-4 of 128), one layer to fit
+#: (the first version, 32 experts top-1, is what Megatron rejects without --moe-router-pre-softmax)
+GPTOSS_RANK_F = {**MOE, "num_layers": 1, "hidden_size": 2880, "num_attention_heads": 64, "num_query_groups": 8,
+                 "kv_channels": 64, "ffn_hidden_size": 2880, "num_experts": 64, "moe_router_topk": 2,
                  "moe_ffn_hidden_size": 2880}
 QWEN235_RANK_F = {**MOE, "num_layers": 4, "hidden_size": 4096, "num_attention_heads": 64, "num_query_groups": 4,
                   "ffn_hidden_size": 12288, "num_experts": 16, "moe_router_topk": 2, "moe_ffn_hidden_size": 1536,
@@ -294,12 +295,15 @@ def fine_rows() -> list[tuple[str, Plan]]:
         ("F_qwen30like_e128k8_s4k", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1, impl=grouped)),
         ("F_qwen30like_e128k8_s4k_forced", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1, impl=forced)),
         ("F_qwen30like_e128k8_s4k_mbs4", plan(QWEN30_F, 1, seq=4096, gbs=16, mbs=4, impl=forced)),
-        ("F_gptossrank_e32k1_s4k", plan(GPTOSS_RANK_F, 1, seq=4096, gbs=8, mbs=1, impl=forced)),
+        ("F_gptossrank_e64k2_s4k", plan(GPTOSS_RANK_F, 1, seq=4096, gbs=8, mbs=1, impl=forced)),
         ("F_qwen235rank_e16k2_s4k", plan(QWEN235_RANK_F, 1, seq=4096, gbs=8, mbs=1, impl=forced)),
         ("F_qwen235rank_e16k2_s4k_mbs4", plan(QWEN235_RANK_F, 1, seq=4096, gbs=16, mbs=4, impl=forced)),
         ("F_qwen30like_e128k8_s4k_sequential", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1,
                                                     impl={"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": False,
                                                           "moe_router_force_load_balancing": True})),
+        # the same plans again in a second lease: how far a machine's steps and its host probe move
+        ("F_qwen30like_e128k8_s4k_again", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1, impl=grouped)),
+        ("F_qwen235rank_e16k2_s4k_again", plan(QWEN235_RANK_F, 1, seq=4096, gbs=8, mbs=1, impl=forced)),
     ]
 
 
