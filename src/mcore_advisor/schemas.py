@@ -70,6 +70,7 @@ class ModelSpec(BaseModel):
     squared_relu: bool | None = Field(None, description="Squared-ReLU MLP (--squared-relu; Nemotron, Nemotron-H): 2 matrices like GeLU.")
     qk_layernorm: bool | None = Field(None, description="Norm on each head's query and key (--qk-layernorm; Qwen3): 2 x kv_channels weights per attention layer. MLA's q/kv latent norms are always counted.")
     moe_router_score_function: Literal["softmax", "sigmoid"] | None = Field(None, description="Router score function (--moe-router-score-function); sigmoid for DeepSeek-V3-style routers.")
+    moe_router_pre_softmax: bool | None = Field(None, description="Score all experts before the top-k (--moe-router-pre-softmax); None = Megatron's default False (top-k first, softmax over the k chosen). Megatron requires it for top-1 softmax routing, where a softmax over one logit has no gradient.")
     moe_router_topk_scaling_factor: float | None = Field(None, gt=0, description="Scale of the routed experts' weights (--moe-router-topk-scaling-factor; HF routed_scaling_factor).")
     moe_router_num_groups: int | None = Field(None, ge=1, le=4096, description="Device/node groups for group-limited routing (--moe-router-num-groups; HF n_group).")
     moe_router_group_topk: int | None = Field(None, ge=1, le=4096, description="Groups each token may use (--moe-router-group-topk; HF topk_group).")
@@ -197,8 +198,8 @@ class Plan(BaseModel):
 # else None = Megatron's default): they change what the model computes, not what it costs.
 MODEL_SETTINGS = (
     "rotary_base", "rotary_percent", "rope_scaling_factor", "rope_scaling_type", "norm_epsilon", "squared_relu",
-    "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_num_groups", "moe_router_group_topk",
-    "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+    "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
 )
 
 # Megatron's hybrid layer symbols (core/models/hybrid/hybrid_layer_allocation.py Symbols) this model handles.
@@ -271,6 +272,7 @@ class ModelShape(BaseModel):
     norm_epsilon: float | None = None
     squared_relu: bool | None = None
     moe_router_score_function: Literal["softmax", "sigmoid"] | None = None
+    moe_router_pre_softmax: bool | None = None
     moe_router_topk_scaling_factor: float | None = None
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None

@@ -833,6 +833,8 @@ SETTINGS: tuple[Row, ...] = (
     _e(_M + "squared_relu", "--squared-relu", "store_true", "model.squared_relu: squared-ReLU MLP activation", default=False),
     _e(_M + "moe_router_score_function", "--moe-router-score-function", "value", "model.moe_router_score_function",
        default="softmax", always=True, gate=moe),
+    _e(_M + "moe_router_pre_softmax", "--moe-router-pre-softmax", "store_true",
+       "model.moe_router_pre_softmax: scores over all experts before the top-k", default=False, gate=moe),
     _e(_M + "moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor", "value",
        "model.moe_router_topk_scaling_factor", always=True, gate=moe),
     _e(_M + "moe_router_num_groups", "--moe-router-num-groups", "value", "model.moe_router_num_groups", always=True, gate=moe),

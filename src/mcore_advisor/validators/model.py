@@ -358,6 +358,38 @@ def _topk(c: Ctx):
     )
 
 
+def _top1_softmax_after_topk(c: Ctx) -> bool:
+    # TransformerConfig.__post_init__'s condition, on the values the script passes: None is Megatron's
+    # default (softmax scores, aux_loss balancing, pre-softmax off). A softmax over the one chosen logit
+    # is always 1, so the router would get no gradient.
+    s = c.shape
+    return (
+        c.num_experts > 0
+        and s.moe_router_topk == 1
+        and (s.moe_router_score_function or "softmax") == "softmax"
+        and not s.moe_router_pre_softmax
+        and (s.moe_router_load_balancing_type or "aux_loss") != "sinkhorn"
+    )
+
+
+@rule(
+    "router_top1_needs_pre_softmax",
+    "error",
+    AREA,
+    "top-1 softmax routing needs the softmax before the top-k",
+    when=_top1_softmax_after_topk,
+)
+def _top1_pre_softmax(c: Ctx):
+    # Megatron-Core TransformerConfig.__post_init__: "Please use --moe-router-pre-softmax when topk is 1."
+    return (
+        ["model.moe_router_topk", "model.moe_router_pre_softmax"],
+        "Please use --moe-router-pre-softmax when topk is 1: with moe_router_topk 1 and softmax scores, "
+        "Megatron-Core's TransformerConfig rejects a softmax taken after the top-k (over one logit it is "
+        "always 1 and gives the router no gradient)",
+        "set model.moe_router_pre_softmax=true (--moe-router-pre-softmax), or model.moe_router_topk to 2 or more",
+    )
+
+
 @rule(
     "seq_not_divisible_by_2cp",
     "error",
