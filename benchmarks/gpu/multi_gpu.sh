@@ -1,7 +1,7 @@
 #!/bin/bash
 # Multi-GPU evidence (issues 20, 14 and 15) in one lease of a machine of N GPUs, from the repository root:
-#   bash benchmarks/gpu/multi_gpu.sh part     # each call that carries one .te/pK part of the TE core wheel
-#   bash benchmarks/gpu/multi_gpu.sh all      # the call that carries the last part, .whl and .whl2
+#   bash benchmarks/gpu/multi_gpu.sh part     # each call that carries one .te/pK part of the TE core wheel (9 of 30 MiB)
+#   bash benchmarks/gpu/multi_gpu.sh all      # the call after the parts: carries .whl, .whl2 and .snap
 #   bash benchmarks/gpu/multi_gpu.sh more     # later calls on the same warm machine: the rows not run yet
 #   bash benchmarks/gpu/multi_gpu.sh kernels  # the MoE kernel probes (benchmarks/kernel_probe.py moe), GPU 0
 # `all` (MULTI_BUDGET_S seconds, default 570):

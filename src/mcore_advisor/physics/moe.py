@@ -101,7 +101,7 @@ fused dispatch and one fused combine call, setup_metadata's topk, indices-to-mul
 taken as the allgather's."""
 
 GROUPED_EXPERTS_HOST_KERNELS = (9.3, 23.5)
-PER_EXPERT_HOST_KERNELS = {True: (0.9, 4.6), False: (3.0, 5.0)}
+PER_EXPERT_HOST_KERNELS = {True: (0.9, 4.6), False: (4.7, 12.4)}
 """Routed experts. TEGroupedMLP (moe_grouped_gemm): two calls of TE's GroupedLinear + the weighted
 activation (fixed: traces 10.0 and 14.5 Linear calls forward, 5.4 and 11.5 backward nodes beyond the
 per-expert share) and per local expert: TE's general_grouped_gemm issues one cuBLAS GEMM per expert and
@@ -109,8 +109,13 @@ per GEMM input (the host time between successive GEMM launches inside the call: 
 per expert and call forward; 2 launches backward, dgrad + wgrad, 0.69 / 0.70 Linear backward nodes per
 expert and call) plus the two expert weights' gradient-accumulation nodes (every expert's weight is its
 own parameter). Held-out check, 2 local experts (moe8top2_ep4_alltoall): 14.5 / 11.8 predicted against
-13.3 / 11.5 measured (Linear units). SequentialMLP runs each expert's MLP module in a Python loop (fc1,
-activation, fc2 forward; 5 backward; not traced)."""
+13.3 / 11.5 measured (Linear units). SequentialMLP runs each expert's MLP module in a Python loop: fc1,
+the weighted SwiGLU (a torch.compile'd function: a Dynamo cache lookup per call), fc2, and backward two
+Linear nodes, the activation's and two gradient-accumulation nodes per expert: 6.27 Linear calls forward
+and 4.46 Linear backward nodes per expert (the period between successive experts' fc1 calls, median, rank-0
+trace of F_qwen30like_e128k8_s4k_sequential: 128 local experts on one H100, session s7, benchmarks/results/
+gpu_h100_F_runs.jsonl). Calibration: the only SequentialMLP trace; that row went from -47% to the figure in
+throughput_accuracy.txt section 5."""
 
 MOE_HOST_SYNCS = {"alltoall": 1.0, "allgather": 2.0, "flex": 1.0}
 """Host syncs per MoE layer and micro-batch (forward; the backward has none: no cudaStreamSynchronize,
