@@ -212,12 +212,18 @@ def test_dominant_part_reports_the_largest_share():
     assert moe.dominant_part({"experts": 3.0, "dispatch": 1.0}) == ("experts", pytest.approx(0.75))
 
 
-def test_te_fused_permute_adds_rows_back_at_the_copy_rate_and_launches_once_per_direction():
+def test_te_fused_permute_moves_each_token_once_and_its_copies_once_and_launches_once_per_direction():
     c, _ = _ctx(_plan(impl={"moe_permute_fusion": True}))
     t_sp, k, h = 4 * 2048, 2, 1024
     rows, sort = t_sp * k * h * 2.0, 2 * 2 * t_sp * k * h * 2.0
+    # permute: read T tokens, write T*k rows; unpermute: read T*k rows, write T tokens (hand count)
+    one_way = 2 * (t_sp * h * 2.0 + rows)
     p = moe.permute(c, stm._moe_kit())
-    assert float(p["ew_b"][0]) == pytest.approx((4 * rows + 2 * rows + sort + 2 * rows) / c.bw_ew, rel=1e-12)
+    assert float(p["ew_f"][0]) == pytest.approx((one_way + sort) / c.bw_ew, rel=1e-12)
+    # backward: the same kernels the other way round + the probabilities' gradient reads the rows once
+    assert float(p["ew_b"][0]) == pytest.approx((one_way + rows + sort) / c.bw_ew, rel=1e-12)
+    unfused, _ = _ctx(_plan())
+    assert float(moe.permute(unfused, stm._moe_kit())["ew_b"][0]) > 2 * float(p["ew_b"][0])
     assert p["kernels"] == moe.PERMUTE_HOST_KERNELS[True]
     local, _ = _ctx(_plan(impl={"moe_permute_fusion": True, "transformer_impl": "local"}))
     assert local.impl.moe_permute_fused is False  # TE's kernels: the local spec cannot fuse

@@ -232,6 +232,16 @@ traces of iteration 3, 2 x H100 (gpu_h100x2_R, forced-balance rows): 64 experts 
 0.61 ms = 220 GB/s (held out: a check). Plain copies run at the elementwise rate (14x faster)."""
 
 
+FUSED_PERMUTE_PASSES = (1.0, 1.0)
+"""TE's fused permute and unpermute (--moe-permute-fusion) move each token's k routed copies once and the
+token itself once per kernel, forward and backward alike (the backward of one is the other), plus one read
+of the routed rows for the probabilities' gradient. From the bytes, not fitted; checked on H100 by
+benchmarks/kernel_probe.py moe (gpu_h100_F_kernel_moe.jsonl, kind moe_permute, fused): at 16,384 tokens of
+hidden 4,096-7,168 the forward + backward round trip is predicted +5% to +11% (the unfused byte count the
+fused kernels had before was 2.3x over); smaller cases (0.3-1.1 GB of rows) take a fixed 1-2 ms of the
+probe's wall time, the host's launches (PERMUTE_HOST_KERNELS) and the routing map's index kernels."""
+
+
 def permute(c, kit: MoeKit) -> dict:
     """Token permute before the experts and unpermute after them (moe_utils.permute / unpermute): each
     reads and writes T_sp * k rows of h bf16 values forward; backward the unpermute's gradient gathers
@@ -239,15 +249,20 @@ def permute(c, kit: MoeKit) -> dict:
     dispatcher with several local experts also sorts the received rows by expert before the experts and
     back after them (sort_chunks_by_idxs: split + cat, read + write each, forward and backward). With
     --moe-permute-fusion (TE's kernels) every pass, the backward's too, is a plain read + write and each
-    direction one launch (PERMUTE_HOST_KERNELS)."""
+    direction one launch (PERMUTE_HOST_KERNELS): the permute reads each token once and writes its k copies,
+    the unpermute reads the k copies and writes the token (FUSED_PERMUTE_PASSES)."""
     fused = bool(c.impl.moe_permute_fused)
     k, h = float(c.shape.moe_router_topk), float(c.shape.hidden_size)
     rows = c.T_sp * k * h * 2.0  # one pass over the routed rows
-    bytes_f = 2 * 2 * rows
     T_exp, _, local = tokens_per_expert(c)
     sort = (2 * 2 * T_exp * h * 2.0 * np.where(local > 1, 1.0, 0.0)) if c.impl.moe_dispatcher == "alltoall" else 0.0
-    add_back = 2 * rows / c.bw_ew if fused else rows / INDEX_ADD_BYTES_PER_S
-    ew_b = (bytes_f + 2 * rows + sort) / c.bw_ew + add_back
+    if fused:
+        f, b = FUSED_PERMUTE_PASSES
+        one_way = 2.0 * (1.0 + 1.0 / k) * rows  # permute + unpermute: k copies of each token, read or written once
+        return {"ew_f": (f * one_way + sort) / c.bw_ew, "ew_b": (b * one_way + rows + sort) / c.bw_ew,
+                "kernels": PERMUTE_HOST_KERNELS[fused]}
+    bytes_f = 2 * 2 * rows
+    ew_b = (bytes_f + 2 * rows + sort) / c.bw_ew + rows / INDEX_ADD_BYTES_PER_S
     return {"ew_f": (bytes_f + sort) / c.bw_ew, "ew_b": ew_b, "kernels": PERMUTE_HOST_KERNELS[fused]}
 
 
