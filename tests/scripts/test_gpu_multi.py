@@ -100,3 +100,28 @@ def test_trace_parts_split_the_step():
                                        "exposed_comm_s": 0.1, "comm_s": 0.4})
     assert parts["compute_s"] == pytest.approx(0.7) and parts["idle_s"] == pytest.approx(0.2)
     assert parts["overlap_fraction"] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("rows", [configs_multi.fine_rows, lambda: configs_multi.routing_rows(2),
+                                  lambda: configs_multi.large_rows(4)], ids=["fine", "routing", "large"])
+def test_every_evidence_plan_passes_the_validators_and_fits(rows):
+    """A row Megatron rejects at startup wastes a device lease (s7: 32 experts top-1 without
+    --moe-router-pre-softmax): every plan the sets run must be valid and predicted to fit an H100."""
+    from mcore_advisor.physics.evaluate import evaluate_plan
+
+    for name, plan in rows():
+        ev = evaluate_plan(plan)
+        errors = [f.message for f in ev.findings if f.severity == "error"]
+        assert ev.valid and not errors, (name, errors)
+        assert ev.feasible, name
+
+
+def test_the_fine_set_is_one_gpu_and_keeps_its_rerun_twins():
+    lines = configs_multi.fine_spec_lines()
+    assert {x["nproc"] for x in lines} == {1}
+    names = [x["name"] for x in lines]
+    assert len(names) == len(set(names))
+    for twin in (n for n in names if n.endswith("_again")):
+        first = next(x for x in lines if x["name"] == twin.removesuffix("_again"))
+        again = next(x for x in lines if x["name"] == twin)
+        assert first["spec"]["megatron_argv"] == again["spec"]["megatron_argv"]
