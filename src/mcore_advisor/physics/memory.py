@@ -64,7 +64,6 @@ from mcore_advisor.physics.activations import (  # noqa: F401 (the per-layer nam
     softmax_bytes_per_score,
 )
 from mcore_advisor.physics.anatomy import RankParams, anatomy, linear_weights, rank_params  # noqa: F401 (RankParams: re-exported)
-from mcore_advisor.physics.moe import busiest_rank_load, expert_load_cv
 from mcore_advisor.physics.layouts import (
     NUM_SLOTS,
     RECOMPUTE_FULL,
@@ -75,6 +74,7 @@ from mcore_advisor.physics.layouts import (
     StageTable,
     stage_split,
 )
+from mcore_advisor.physics.moe import busiest_rank_load, expert_load_cv
 from mcore_advisor.schemas import ModelShape, Plan, layers_per_stage
 
 GIB = 1024**3
