@@ -312,16 +312,48 @@ def fine_spec_lines() -> list[dict]:
              "spec": job_spec(p, **RUN_L)} for name, p in fine_rows()]
 
 
+#: the fifth set (session s8, issue 20): the rows the model was furthest under (CP at 16k-32k, selective recompute
+#: at 8k, EP without TP) as they ran (Megatron-LM's default seq x seq attention mask built by the data loader:
+#: 256 MiB per 16k sample, pinned and copied every micro-batch) and with --no-create-attention-mask-in-dataloader
+NO_MASK = {"create_attention_mask_in_dataloader": False}
+
+
+def mask_rows() -> list[tuple[str, Plan, int]]:
+    """(name, plan, GPUs): each plan with the data loader's mask (Megatron's default) and without it."""
+    ep, grouped = {"expert_model_parallel_size": 4}, {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall"}
+    tp4sp = {"tensor_model_parallel_size": 4, "sequence_parallel": True}
+    base = [
+        ("M_cp4_s16k", plan(LLAMA_L, 4, seq=16384, gbs=2, par={"context_parallel_size": 4}), 4),
+        ("M_tp4_sp_sel_s8k", plan(LLAMA_L, 4, seq=8192, gbs=8, mbs=2, par={**tp4sp, **SEL}), 4),
+        ("M_moe8top2_ep4_alltoall", plan(MOE8_L, 4, seq=4096, gbs=32, mbs=4, par=ep, impl=grouped), 4),
+        ("M_moe64top8_ep4_alltoall", plan(MOE64_L, 4, seq=4096, gbs=32, mbs=4, par=ep, impl=grouped), 4),
+        ("M_cp2_s32k", plan(LLAMA_L, 2, seq=32768, gbs=1, par={"context_parallel_size": 2}), 2),
+        ("M_cp2_s16k", plan(LLAMA_L, 2, seq=16384, gbs=2, par={"context_parallel_size": 2}), 2),
+    ]
+    out = []
+    for name, p, n in base:
+        off = p.model_copy(update={"implementation": p.implementation.model_copy(update=NO_MASK)})
+        out += [(name, p, n), (name + "_nomask", off, n)]
+    return out
+
+
+def mask_spec_lines() -> list[dict]:
+    return [{"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": True,
+             "spec": job_spec(p, **RUN_L)} for name, p, n in mask_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
-                         "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU)")
+                         "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
+                         "mask: the M_* plans (with and without the data loader's attention mask)")
     a = ap.parse_args(argv)
-    lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines}.get(
+    lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
+             "mask": mask_spec_lines}.get(
         a.set, lambda: spec_lines(a.gpus))()
     Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"wrote {len(lines)} runs ({sum(x['nproc'] == a.gpus for x in lines)} on {a.gpus} GPUs) to {a.out}")

@@ -902,6 +902,9 @@ PRECISION: tuple[Row, ...] = (
     _e(_I + "check_for_nan_in_loss_and_grad", "--no-check-for-nan-in-loss-and-grad", "store_false",
        "implementation.check_for_nan_in_loss_and_grad false: no NaN/Inf checks of the loss and gradients",
        dest="check_for_nan_in_loss_and_grad", default=True),
+    _e(_I + "create_attention_mask_in_dataloader", "--no-create-attention-mask-in-dataloader", "store_false",
+       "implementation.create_attention_mask_in_dataloader false: no seq x seq mask per sample (causal attention "
+       "never reads it)", dest="create_attention_mask_in_dataloader", default=True),
     _e(_I + "cuda_graph_impl", "--cuda-graph-impl", "value",
        "implementation.cuda_graph_impl: layers (or the iteration) replayed as CUDA graphs, one launch each", default="none"),
     _e(_I + "cuda_graph_modules", "--cuda-graph-modules", "list",
