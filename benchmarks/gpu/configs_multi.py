@@ -337,9 +337,22 @@ def mask_rows() -> list[tuple[str, Plan, int]]:
     return out
 
 
+#: the L set's other layouts without the mask (run after the pairs, on the same lease)
+MASK_MORE = ("L_tp4_sp", "L_dp4_distopt_overlap", "L_pp4_vp2", "L_moe8top2_ep4_allgather",
+             "L_moe8top2_ep4_alltoall_fp8delayed", "L_tp4", "L_moe8top2_ep2_alltoall_fp8delayed", "L_tp2_sp",
+             "L_pp4", "L_tp4_sp_fp8delayed", "L_dp4_ddp_nooverlap", "L_dp4_fp8tensorwise", "L_tp4_sp_tpoverlap")
+
+
+def mask_more_rows() -> list[tuple[str, Plan, int]]:
+    rows = {name: p for n in (4, 2) for name, p in large_rows(n)}
+    return [("M" + name[1:] + "_nomask",
+             rows[name].model_copy(update={"implementation": rows[name].implementation.model_copy(update=NO_MASK)}),
+             rows[name].cluster.num_gpus) for name in MASK_MORE]
+
+
 def mask_spec_lines() -> list[dict]:
     return [{"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": True,
-             "spec": job_spec(p, **RUN_L)} for name, p, n in mask_rows()]
+             "spec": job_spec(p, **RUN_L)} for name, p, n in mask_rows() + mask_more_rows()]
 
 
 def main(argv: list[str] | None = None) -> None:

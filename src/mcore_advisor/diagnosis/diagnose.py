@@ -184,6 +184,8 @@ def _components(plan: Plan, shape: ModelShape, perf: PerfEstimate, step_s: float
         ("element-wise kernels", b.elementwise_s, "norms, activations, residuals, RoPE, cross-entropy: memory-bound work with no counted FLOPs"),
         ("host-bound launches", b.host_bound_s,
          f"layers too small to outrun the host's kernel launches at micro-batch {tr.micro_batch_size}: a larger micro-batch (or fewer, larger layers per GPU) hides them"),
+        ("data loader's attention masks", b.dataloader_mask_s,
+         "Megatron-LM's default builds, pins and copies a seq x seq mask per sample that causal attention never reads: --no-create-attention-mask-in-dataloader"),
         ("fixed overhead", b.overhead_s, "per-iteration launch and host overhead"),
     ]
     return sorted(

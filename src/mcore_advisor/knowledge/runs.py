@@ -438,6 +438,9 @@ def plan_for_run(run: PublishedRun) -> RunPlan | None:
     if "passes with pytorch_cuda_alloc_conf=expandable_segments:true" in run.notes.lower():
         # the measured (passing) run is the one with expandable segments (an environment variable, not a flag)
         impl["expandable_segments"] = True
+    # No data-loader masks: Megatron-Bridge recipes skip them (skip_getting_attention_mask_from_dataset, its
+    # --no-create-attention-mask-in-dataloader); the papers' Megatron built the causal mask on the GPU.
+    impl["create_attention_mask_in_dataloader"] = False
     # Published runs ran on bare-metal DGX/HGX hosts, not on the VMs the catalog's host figure is from.
     a.append(f"bare-metal host: host_floor_ms_per_layer {BARE_METAL_HOST_FLOOR_MS} (the catalog's figure is this "
              "workplace's VMs')")

@@ -94,7 +94,7 @@ def evaluate_plan(plan: Plan) -> Evaluation:
                     + (f" (fix: {first.fix})" if first.fix else ""))
     else:
         perf = step_time(plan, shape)
-        findings = blocking_first(findings + host_bound_findings(perf, plan))
+        findings = blocking_first(findings + host_bound_findings(perf, plan) + dataloader_mask_findings(perf))
     feasible = not has_error and memory is not None and memory.fits
     return Evaluation(
         valid=not has_error,
@@ -132,6 +132,24 @@ def host_bound_findings(perf: PerfEstimate, plan: Plan) -> list[Finding]:
     )]
 
 
+#: a step share of the data loader's masks worth a warning
+DATALOADER_MASK_FLAG = 0.02
+
+
+def dataloader_mask_findings(perf: PerfEstimate) -> list[Finding]:
+    """A finding when Megatron-LM's default data-loader masks cost the step (breakdown.dataloader_mask_s)."""
+    b, it = perf.breakdown, perf.iteration_time_s
+    if b.dataloader_mask_s < DATALOADER_MASK_FLAG * it:
+        return []
+    return [Finding(
+        code="dataloader_attention_mask", severity="warning", fields=["implementation.create_attention_mask_in_dataloader"],
+        message=(f"the data loader builds a seq x seq attention mask per sample (Megatron-LM's default), pins it and copies "
+                 f"it to the GPU every micro-batch: predicted {b.dataloader_mask_s:.3f} s ({100 * b.dataloader_mask_s / it:.0f}%) "
+                 f"of the {it:.3f} s step; causal attention never reads it"),
+        fix="implementation.create_attention_mask_in_dataloader false (--no-create-attention-mask-in-dataloader)",
+    )]
+
+
 def _guarded(fn, plan: Plan, has_error: bool, notes: list[str], what: str):
     """Estimates of a plan the validators reject may hit impossible arithmetic: report, don't raise."""
     try:
@@ -157,6 +175,7 @@ _TERM_NAMES = {
     "dp_comm_exposed_s": "exposed data-parallel gradient/parameter communication",
     "optimizer_s": "optimizer step",
     "host_bound_s": "GPU waiting for the host (kernel launches, host syncs, per-step host work)",
+    "dataloader_mask_s": "the data loader's seq x seq attention masks (--no-create-attention-mask-in-dataloader removes them)",
     "overhead_s": "fixed overhead",
 }
 
@@ -193,4 +212,5 @@ def _explain(findings: list[Finding], memory: MemoryBreakdown | None, perf: Perf
     return out
 
 
-__all__ = ["Evaluation", "ParallelSummary", "blocking_first", "evaluate_plan", "host_bound_findings"]
+__all__ = ["Evaluation", "ParallelSummary", "blocking_first", "dataloader_mask_findings", "evaluate_plan",
+           "host_bound_findings"]

@@ -67,6 +67,7 @@ class Implementation:
     exp_avg_sq_dtype: str = "fp32"
     moe_router_force_load_balancing: bool = False
     moe_permute_fusion: bool = False
+    create_attention_mask_in_dataloader: bool = True
     moe_routing_imbalance: float | None = None
     moe_expert_load_cv: float | None = None
 

@@ -312,6 +312,20 @@ def host_floor_from_probe(probe_ms_per_layer: float) -> float:
     """host_floor_ms_per_layer for a machine whose host probe measured `probe_ms_per_layer`."""
     return HOST_PROBE_TO_LAYER * probe_ms_per_layer
 
+DATALOADER_MASK_S_PER_GIB = 0.103
+"""Step time per GiB of attention mask that Megatron-LM's default data loader hands one loading rank
+(--create-attention-mask-in-dataloader, on unless --no-create-attention-mask-in-dataloader): each
+sample's seq x seq bool mask (core/datasets/gpt_dataset.py _get_ltor_masks_and_position_ids: 256 MiB
+at 16k tokens) is collated into shared memory by a worker, pinned by the loader's thread, copied to
+the GPU (traces: 5-7 ms per 256 MiB on the compute stream) and broadcast over TP, every micro-batch;
+causal attention never reads it. The host work stalls the training process 40-75 ms per 256 MiB
+(traces: no CUDA call, no op), and ranks that exchange data every layer (CP's K/V ring, EP's
+all-to-alls) wait for each other's stalls, so they add up. Fitted on four pairs of the same plan with
+and without the mask on one 4 x H100 VM lease (session s8, M_* rows of
+benchmarks/results/gpu_h100x4_M_runs.jsonl: 58-130 ms per GiB, median 103); the two held-out pairs'
+differences (CP2 at 32k: 252 ms, TP4 selective recompute at 8k: 57 ms) were predicted at 206 and 52 ms.
+A VM's host figure, like the catalog's host floor; Megatron-Bridge and NeMo recipes skip the mask."""
+
 ITERATION_OVERHEAD_S = 0.005
 """Per-iteration fixed cost outside the schedule on a host fast enough to add no host term: loss
 reduction and logging, grad-norm all-reduce, optimizer launches, data loader. An estimate; it
@@ -405,6 +419,7 @@ class StepTimeBreakdown(BaseModel):
     dp_comm_exposed_s: float = Field(description="Data-parallel gradient reduce-scatter/all-reduce and parameter all-gather not overlapped.")
     optimizer_s: float = Field(description="Adam step over the local parameter shard (HBM-bound).")
     host_bound_s: float = Field(description="GPU idle waiting for the host: layers whose GPU work takes less than launching their kernels, the waits after host syncs (loss and gradient NaN checks, MoE token counts) and the step's own host work (optimizer launches, logging); from the host's speed (GpuSpec.host_floor_ms_per_layer, ClusterSpec override).")
+    dataloader_mask_s: float = Field(0.0, description="Megatron-LM's default data loader building, pinning, copying and broadcasting each sample's seq x seq attention mask (--no-create-attention-mask-in-dataloader removes it; causal attention never reads it): DATALOADER_MASK_S_PER_GIB per GiB on each loading rank, summed over the CP and EP ranks that wait for each other every layer.")
     overhead_s: float = Field(description="Fixed per-iteration overhead.")
 
 
@@ -567,6 +582,7 @@ class _Impl:
     moe_grouped_gemm: bool = True
     moe_force_balanced: bool = False  # --moe-router-force-load-balancing
     moe_permute_fused: bool = False  # --moe-permute-fusion (Transformer Engine's kernels)
+    dataloader_mask: bool = True  # --create-attention-mask-in-dataloader (Megatron-LM's default)
     moe_imbalance: float | None = None  # measured busiest-EP-rank load over the mean (physics.moe.routing_imbalance)
     moe_expert_cv: float | None = None  # measured expert-load spread (physics.moe.expert_load_cv)
     ce_fusion: bool = True
@@ -599,6 +615,7 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         moe_grouped_gemm=im.moe_grouped_gemm and im.transformer_impl == "transformer_engine",
         moe_force_balanced=im.moe_router_force_load_balancing,
         moe_permute_fused=im.moe_permute_fusion and im.transformer_impl == "transformer_engine",
+        dataloader_mask=im.create_attention_mask_in_dataloader,
         moe_imbalance=im.moe_routing_imbalance,
         moe_expert_cv=im.moe_expert_load_cv,
         ce_fusion=im.cross_entropy_loss_fusion,
@@ -1392,6 +1409,20 @@ def _host_waits(c: _Ctx, pipe: _Pipeline):
     return c.host_f * HOST_SYNC_KERNELS * host_syncs_per_step(c, pipe)
 
 
+def _dataloader_mask(c: _Ctx):
+    """The data loader's attention masks on the step (DATALOADER_MASK_S_PER_GIB): every micro-batch's
+    b x s x s bytes on each loading rank (TP rank 0; every CP rank loads the whole sequence), summed over
+    the loading ranks one layer's exchanges tie together: the CP group, and the EP group's distinct
+    data-parallel ranks (EP x ETP / TP of them). DP and PP ranks take their stalls apart."""
+    if not c.impl.dataloader_mask:
+        return np.zeros_like(c.m)
+    loaders = c.cp * np.clip(c.ep * c.etp / c.tp, 1.0, c.dp)
+    # a rank no peer waits for every layer (one GPU, DP, PP) absorbs its stalls while its host is ahead
+    tied = (loaders > 1) | (c.tp > 1)
+    gib = c.m * c.b * c.s * c.s / 2**30
+    return np.where(tied, DATALOADER_MASK_S_PER_GIB * gib * loaders, 0.0)
+
+
 # ---- assemble ----------------------------------------------------------------------------------
 
 
@@ -1404,7 +1435,9 @@ def _model(c: _Ctx) -> dict[str, np.ndarray]:
     dp_exposed, t_opt = _data_parallel(c, lay)
     m = c.m
     host_waits = _host_waits(c, pipe)
-    iter_s = m * pipe.t_max + pipe.bubble + pipe.p2p + dp_exposed + t_opt + ITERATION_OVERHEAD_S + host_waits
+    loader = _dataloader_mask(c)
+    iter_s = (m * pipe.t_max + pipe.bubble + pipe.p2p + dp_exposed + t_opt + ITERATION_OVERHEAD_S + host_waits
+              + loader)
     # Attribute the slowest stage's per-micro-batch work to the breakdown terms: its layers, and the
     # output layer, loss and MTP layers (last stage) or the embedding (first stage) where it holds them.
     k = m * pipe.layers
@@ -1434,6 +1467,7 @@ def _model(c: _Ctx) -> dict[str, np.ndarray]:
         "dp_comm_exposed_s": dp_exposed,
         "optimizer_s": t_opt,
         "host_bound_s": k * lay.host_gap + host_waits,
+        "dataloader_mask_s": loader,
         "overhead_s": np.zeros_like(iter_s) + ITERATION_OVERHEAD_S,
     }
 

@@ -565,6 +565,9 @@ def _budget_notes(out: SearchOutcome) -> list[str]:
 
 def _implementation(request: RecommendRequest) -> ImplementationSpec:
     im = request.implementation
+    if "create_attention_mask_in_dataloader" not in im.model_fields_set:
+        # Megatron-LM's default data-loader mask costs the step and nothing reads it (physics.step_time)
+        im = im.model_copy(update={"create_attention_mask_in_dataloader": False})
     if request.transformer_impl and request.transformer_impl != im.transformer_impl:
         im = im.model_copy(update={"transformer_impl": request.transformer_impl})
     return im
@@ -770,6 +773,7 @@ _TERMS = {
     "dp_comm_exposed_s": "exposed data-parallel communication",
     "optimizer_s": "optimizer step",
     "host_bound_s": "host-bound kernel launches (layers too small for the GPU)",
+    "dataloader_mask_s": "the data loader's attention masks",
     "overhead_s": "fixed overhead",
 }
 
