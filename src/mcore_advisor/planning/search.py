@@ -545,7 +545,7 @@ def _layouts(inp: SearchInputs, st: SearchStats, shards: list[tuple[int, _Shard]
     places: list[int] = []
     for pos, sh in shards:
         for j, cp in enumerate(sh.cps):
-            for sp, ov in ((sp, ov) for sp in sh.sps for ov in _overlap_options(inp, sh.tp, sp)):
+            for sp, ov in ((s, o) for s in sh.sps for o in _overlap_options(inp, sh.tp, s)):
                 for prec in inp.precisions:
                     errs = layout_errors(scratch.relayout(
                         tp=sh.tp, pp=sh.pp, vp_raw=sh.vp if sh.vp > 1 else None, cp=cp, ep=sh.ep,
