@@ -124,6 +124,9 @@ def _allocator_and_kernels(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | N
     if im.transformer_impl == "local":
         yield _change(c, impl, "needs Transformer Engine installed (its fused LayerNorm-linear, activation and cuDNN "
                       "attention kernels)", transformer_impl="transformer_engine", attention_backend="flash")
+    if im.create_attention_mask_in_dataloader:
+        yield _change(c, impl, "--no-create-attention-mask-in-dataloader: causal attention never reads the seq x seq "
+                      "mask the data loader builds, pins and copies every micro-batch", create_attention_mask_in_dataloader=False)
     # TE's fused cross entropy (2 B/logit) is not offered: Megatron-LM 0.19's validate_args refuses it.
     if purpose == "memory" and im.cross_entropy_loss_fusion and im.cross_entropy_fusion_impl == "native":
         yield _change(c, impl, "unfused vocab-parallel cross entropy works in place: 6 B/logit instead of 10; a few "
