@@ -34,6 +34,8 @@ def test_two_ep_ranks_sum_their_counts_and_each_receives_its_block_of_experts():
     assert s["expert_max_over_mean_mean"] == pytest.approx((6 / 4 + 1) / 2)
     assert s["per_layer"] == pytest.approx({"1": 10 / 8, "2": 1.0})
     assert s["tokens_per_ep_rank_mean"] == pytest.approx([(6 + 8) / 2, (10 + 8) / 2])
+    # expert row counts in call order: 4, 2, 6, 4 | 4, 4, 4, 4: three distinct, new at 3 of 8 expert GEMMs
+    assert s["expert_rows_distinct"] == 3 and s["expert_rows_new_fraction"] == pytest.approx(3 / 8)
     # the per-rank counts as routed (before the EP sum), rank order
     assert [(c["rank"], c["layer"], sum(c["tokens_per_expert"])) for c in s["first_call_per_rank"]] == [(0, 1, 8), (1, 1, 8)]
 

@@ -116,6 +116,10 @@ class MoeRouting(TypedDict):
     """Per EP rank (index in its group): tokens received per call, averaged over calls."""
     first_call_per_rank: list[RoutingCall]
     """The ranks of rank 0's EP group: their first call's counts as routed."""
+    expert_rows_distinct: NotRequired[int]
+    """Distinct per-expert row counts (expert GEMM shapes) met in the measured iterations (jobs since s8)."""
+    expert_rows_new_fraction: NotRequired[float]
+    """Share of expert GEMM calls whose row count had not appeared earlier in the window (jobs since s8)."""
     dropped_calls: int
     """Calls not kept (the per-rank cap, entry/moe_routing.py MAX_COUNTS_PER_RANK)."""
     source: str
