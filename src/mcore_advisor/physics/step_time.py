@@ -67,7 +67,9 @@ are fitted on the one-GPU rows of Megatron-LM's own loop outside the held-out th
 (`benchmarks/throughput_accuracy.py --fit`): the VM hosts' host_floor_ms_per_layer (GPU catalog),
 HOST_SYNC_KERNELS and the PyTorch bf16 softmax path's bytes. MoE routing sets the busiest EP rank's
 load (physics.moe.busiest_rank_load). Not modelled: all-to-all/compute overlap, stragglers at scale,
-cuBLASLt's heuristic warm-up for new expert GEMM shapes (a short run's first iterations).
+cuBLASLt's heuristic warm-up for new expert GEMM shapes (a short run's first iterations: each GEMM shape met
+for the first time costs the host 0.12-0.15 ms median, 0.27-0.30 ms mean, against 0.015 ms once met, on H100:
+benchmarks/results/gpu_h100_gemm_shape_probe.json; as-is routing changes every expert's row count each call).
 """
 
 from __future__ import annotations
