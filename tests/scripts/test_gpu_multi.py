@@ -103,7 +103,9 @@ def test_trace_parts_split_the_step():
 
 
 @pytest.mark.parametrize("rows", [configs_multi.fine_rows, lambda: configs_multi.routing_rows(2),
-                                  lambda: configs_multi.large_rows(4)], ids=["fine", "routing", "large"])
+                                  lambda: configs_multi.large_rows(4),
+                                  lambda: [(n, p) for n, p, _ in configs_multi.mask_rows() + configs_multi.mask_more_rows()]],
+                         ids=["fine", "routing", "large", "mask"])
 def test_every_evidence_plan_passes_the_validators_and_fits(rows):
     """A row Megatron rejects at startup wastes a device lease (s7: 32 experts top-1 without
     --moe-router-pre-softmax): every plan the sets run must be valid and predicted to fit an H100."""
@@ -125,3 +127,14 @@ def test_the_fine_set_is_one_gpu_and_keeps_its_rerun_twins():
         first = next(x for x in lines if x["name"] == twin.removesuffix("_again"))
         again = next(x for x in lines if x["name"] == twin)
         assert first["spec"]["megatron_argv"] == again["spec"]["megatron_argv"]
+
+
+def test_the_mask_set_pairs_differ_by_the_one_flag():
+    lines = {x["name"]: x for x in configs_multi.mask_spec_lines()}
+    flag = "--no-create-attention-mask-in-dataloader"
+    pairs = [n for n in lines if n + "_nomask" in lines]
+    assert len(pairs) == 6
+    for name in pairs:
+        on, off = lines[name]["spec"]["megatron_argv"], lines[name + "_nomask"]["spec"]["megatron_argv"]
+        assert flag not in on and [a for a in off if a != flag] == on
+    assert all(flag in x["spec"]["megatron_argv"] for n, x in lines.items() if n.endswith("_nomask"))
