@@ -30,7 +30,7 @@ from pathlib import Path
 from configs import FP8, GPU, LLAMA1B, MOE, SEL  # the one-GPU set's models and settings
 
 from mcore_advisor.launcher.spec import job_spec
-from mcore_advisor.schemas import Plan
+from mcore_advisor.schemas import Plan, with_changes
 
 HERE = Path(__file__).resolve().parent
 SPECS = HERE / "specs_multi.jsonl"
@@ -332,8 +332,7 @@ def mask_rows() -> list[tuple[str, Plan, int]]:
     ]
     out = []
     for name, p, n in base:
-        off = p.model_copy(update={"implementation": p.implementation.model_copy(update=NO_MASK)})
-        out += [(name, p, n), (name + "_nomask", off, n)]
+        out += [(name, p, n), (name + "_nomask", with_changes(p, "implementation", **NO_MASK), n)]
     return out
 
 
@@ -345,9 +344,8 @@ MASK_MORE = ("L_tp4_sp", "L_dp4_distopt_overlap", "L_pp4_vp2", "L_moe8top2_ep4_a
 
 def mask_more_rows() -> list[tuple[str, Plan, int]]:
     rows = {name: p for n in (4, 2) for name, p in large_rows(n)}
-    return [("M" + name[1:] + "_nomask",
-             rows[name].model_copy(update={"implementation": rows[name].implementation.model_copy(update=NO_MASK)}),
-             rows[name].cluster.num_gpus) for name in MASK_MORE]
+    return [("M" + name[1:] + "_nomask", with_changes(rows[name], "implementation", **NO_MASK), rows[name].cluster.num_gpus)
+            for name in MASK_MORE]
 
 
 def mask_spec_lines() -> list[dict]:

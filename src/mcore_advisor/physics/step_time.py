@@ -314,7 +314,7 @@ def host_floor_from_probe(probe_ms_per_layer: float) -> float:
     """host_floor_ms_per_layer for a machine whose host probe measured `probe_ms_per_layer`."""
     return HOST_PROBE_TO_LAYER * probe_ms_per_layer
 
-DATALOADER_MASK_S_PER_GIB = 0.103
+DATALOADER_MASK_S_PER_GIB = 0.104
 """Step time per GiB of attention mask that Megatron-LM's default data loader hands one loading rank
 (--create-attention-mask-in-dataloader, on unless --no-create-attention-mask-in-dataloader): each
 sample's seq x seq bool mask (core/datasets/gpt_dataset.py _get_ltor_masks_and_position_ids: 256 MiB
@@ -324,8 +324,8 @@ causal attention never reads it. The host work stalls the training process 40-75
 (traces: no CUDA call, no op), and ranks that exchange data every layer (CP's K/V ring, EP's
 all-to-alls) wait for each other's stalls, so they add up. Fitted on four pairs of the same plan with
 and without the mask on one 4 x H100 VM lease (session s8, M_* rows of
-benchmarks/results/gpu_h100x4_M_runs.jsonl: 58-130 ms per GiB, median 103); the two held-out pairs'
-differences (CP2 at 32k: 252 ms, TP4 selective recompute at 8k: 57 ms) were predicted at 206 and 52 ms.
+benchmarks/results/gpu_h100x4_M_runs.jsonl: 60-129 ms per GiB, median 104); the two held-out pairs'
+differences (CP2 at 32k: 252 ms, TP4 selective recompute at 8k: 57 ms) are predicted at 208 and 52 ms.
 A VM's host figure, like the catalog's host floor; Megatron-Bridge and NeMo recipes skip the mask."""
 
 ITERATION_OVERHEAD_S = 0.005

@@ -157,23 +157,6 @@ def _call_figures(totals: list[float], num_local_experts: int) -> tuple[float, f
     return (max(ranks) / statistics.fmean(ranks), statistics.pstdev(totals) / mean, max(totals) / mean, ranks)
 
 
-class _ShapeCount:
-    """Row counts of the expert GEMMs in call order: each expert's tokens in a call is its GEMMs' row count,
-    and a count not met before is a GEMM shape cuBLASLt has not chosen an algorithm for in this window
-    (the traces' host gaps inside TE's grouped GEMM follow it)."""
-
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-        self.new = self.total = 0
-
-    def add(self, totals: list[float]) -> None:
-        for t in totals:
-            rows = round(t)
-            self.new += rows not in self.seen
-            self.total += 1
-            self.seen.add(rows)
-
-
 def summarize(rows: list[dict[str, Any] | None], local_only: bool = False) -> dict[str, Any] | None:
     """result["moe_routing"] from the ranks' `Recorder.report()` dicts (None entries: ranks without
     MoE); None when no rank recorded a router call. `local_only`: memory_at_scale, where one process
@@ -185,10 +168,12 @@ def summarize(rows: list[dict[str, Any] | None], local_only: bool = False) -> di
     for r in rows:
         groups.setdefault((r["pp_rank"], tuple(r["ep_group"])), []).append(r)
     imbalance, cv, peak, per_layer, per_rank = [], [], [], {}, []
-    shapes = _ShapeCount()
+    # each expert's tokens in a call is its GEMMs' row count: a count not met before in the window is a GEMM shape
+    # cuBLASLt has not chosen an algorithm for (the traces' host gaps inside TE's grouped GEMM follow it)
+    expert_rows: list[int] = []
     for members in groups.values():
         for layer, totals in _group_calls(members):
-            shapes.add(totals)
+            expert_rows += [round(t) for t in totals]
             fig = _call_figures(totals, members[0]["num_local_experts"])
             if fig is None:
                 continue
@@ -214,8 +199,9 @@ def summarize(rows: list[dict[str, Any] | None], local_only: bool = False) -> di
         "tokens_per_ep_rank_mean": [statistics.fmean(col) for col in zip(*per_rank, strict=True)],
         "first_call_per_rank": [{"rank": m["rank"], "layer": m["calls"][0][0], "tokens_per_expert": m["calls"][0][1]}
                                 for m in sorted(sample, key=lambda m: m["rank"])],
-        "expert_rows_distinct": len(shapes.seen),
-        "expert_rows_new_fraction": shapes.new / max(shapes.total, 1),
+        "expert_rows_distinct": len(set(expert_rows)),
+        # every distinct count is new exactly once
+        "expert_rows_new_fraction": len(set(expert_rows)) / len(expert_rows),
         "dropped_calls": sum(r.get("dropped_calls", 0) for r in rows),
         "source": SOURCE + (" (memory_at_scale: this one rank's own routing, the group's other ranks did not run)"
                             if local_only else ""),
