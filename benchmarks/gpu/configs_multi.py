@@ -353,18 +353,62 @@ def mask_spec_lines() -> list[dict]:
              "spec": job_spec(p, **RUN_L)} for name, p, n in mask_rows() + mask_more_rows()]
 
 
+#: the sixth set (session s9, issues 15 and 20): does an expert GEMM row count met for the first time cost the host
+#: a cuBLASLt heuristic query (0.12-0.30 ms each on H100: results/gpu_h100_gemm_shape_probe.json)? The EP rows the
+#: model is furthest under (64 experts as routed) over 14 measured iterations, with cuBLASLt's heuristics cache as it
+#: is, off (CUBLASLT_HEURISTICS_CACHE_CAPACITY=0: every GEMM pays the query) and 8x larger; forced routing (few
+#: distinct counts) beside them; the job records each iteration's new row counts. All without the data loader's mask.
+RUN_C = {"warmup_steps": 1, "measure_steps": 14, "profile_steps": (3, 3)}
+CACHE_OFF, CACHE_BIG = {"CUBLASLT_HEURISTICS_CACHE_CAPACITY": "0"}, {"CUBLASLT_HEURISTICS_CACHE_CAPACITY": "65536"}
+
+
+def cache_rows() -> list[tuple[str, Plan, int, dict]]:
+    """(name, plan, GPUs, env)."""
+    a2a = {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", **NO_MASK}
+    forced = {**a2a, "moe_router_force_load_balancing": True}
+    ep4, ep2 = {"expert_model_parallel_size": 4}, {"expert_model_parallel_size": 2}
+    e64 = plan(MOE64_L, 4, seq=4096, gbs=32, mbs=4, par=ep4, impl=a2a)
+    e8 = plan(MOE8_L, 4, seq=4096, gbs=32, mbs=4, par=ep4, impl=a2a)
+    return [
+        ("C_moe64top8_ep4_alltoall", e64, 4, {}),
+        ("C_moe64top8_ep4_alltoall_cache0", e64, 4, CACHE_OFF),
+        ("C_moe64top8_ep4_alltoall_forced", plan(MOE64_L, 4, seq=4096, gbs=32, mbs=4, par=ep4, impl=forced), 4, {}),
+        ("C_moe64top8_ep4_alltoall_cachebig", e64, 4, CACHE_BIG),
+        ("C_moe8top2_ep4_alltoall", e8, 4, {}),
+        ("C_moe8top2_ep4_alltoall_cache0", e8, 4, CACHE_OFF),
+        ("C_qwen30like_e128k8_s4k", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1, impl=a2a), 1, {}),
+        ("C_moe64top8_ep2_allgather", plan(MOE64_L, 2, seq=4096, gbs=16, mbs=4, par=ep2,
+                                           impl={**a2a, "moe_token_dispatcher_type": "allgather"}), 2, {}),
+        ("C_moe8top2_ep2_alltoall_fp8delayed", plan(MOE8_L, 2, seq=4096, gbs=16, mbs=4, par=ep2, impl=a2a,
+                                                    train=DELAYED), 2, {}),
+        ("C_qwen30like_e128k8_s4k_cache0", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1, impl=a2a), 1, CACHE_OFF),
+    ]
+
+
+def cache_spec_lines() -> list[dict]:
+    out = []
+    for name, p, n, env in cache_rows():
+        row = {"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": True,
+               "spec": job_spec(p, **RUN_C)}
+        if env:
+            row["env"] = env
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
-                         "mask: the M_* plans (with and without the data loader's attention mask)")
+                         "mask: the M_* plans (with and without the data loader's attention mask); "
+                         "cache: the C_* plans (expert GEMM shapes and cuBLASLt's heuristics cache)")
     a = ap.parse_args(argv)
     lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
-             "mask": mask_spec_lines}.get(
+             "mask": mask_spec_lines, "cache": cache_spec_lines}.get(
         a.set, lambda: spec_lines(a.gpus))()
     Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"wrote {len(lines)} runs ({sum(x['nproc'] == a.gpus for x in lines)} on {a.gpus} GPUs) to {a.out}")

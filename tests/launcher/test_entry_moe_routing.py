@@ -40,6 +40,16 @@ def test_two_ep_ranks_sum_their_counts_and_each_receives_its_block_of_experts():
     assert [(c["rank"], c["layer"], sum(c["tokens_per_expert"])) for c in s["first_call_per_rank"]] == [(0, 1, 8), (1, 1, 8)]
 
 
+def test_warm_up_calls_count_for_new_shapes_only_and_each_ep_rank_keeps_its_own_shapes():
+    # 4 experts over 2 EP ranks (2 local each); iteration 1 is warm-up, 2 and 3 are measured
+    calls = [[1, [3, 1, 2, 2], 1, False], [1, [3, 1, 2, 2], 2, True], [1, [5, 1, 0, 2], 3, True]]
+    s = M.summarize([_rank(0, calls), _rank(1, [[lay, [0, 0, 0, 0], it, m] for lay, _, it, m in calls])])
+    assert s["calls"] == 2  # the routing figures: measured calls only
+    # group totals = rank 0's counts. EP rank 0 owns experts 0-1: {3, 1} new in 1; none new in 2; 5 new in 3.
+    # EP rank 1 owns experts 2-3: {2} new in 1 (two experts, one shape); nothing new after; 0 rows run no GEMM.
+    assert s["expert_rows_new_per_iteration"] == {"1": [2, 2], "2": [0, 2], "3": [1, 2]}
+
+
 def test_tensor_parallel_ranks_without_sequence_parallelism_route_the_same_tokens_once():
     # ranks 0 and 1 are one TP pair that is also the EP group: without SP both routed the same 4 tokens
     calls = [[1, [3, 1, 2, 2]]]

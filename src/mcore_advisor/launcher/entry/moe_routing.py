@@ -7,9 +7,11 @@ records what the router did in its measured iterations:
 - `Recorder` wraps `megatron.core.transformer.moe.router.TopKRouter.forward` (class level, restored on
   exit). In megatron-core 0.19.2 it returns `(probs, routing_map)`, routing_map a [tokens,
   num_experts] bool tensor (router.py `TopKRouter.routing`, after token dropping). While recording is
-  on (the measured iterations: profile.py's _Hooks switches it per iteration), each call appends
-  `routing_map.sum(0)` (int64, left on the device: no host sync per call) with the router's
-  `layer_number` (Megatron's global layer number, pipeline offset included). Calls made while the
+  on (every training iteration: profile.py's _Hooks switches it per iteration and tags it measured or
+  not), each call appends `routing_map.sum(0)` (int64, left on the device: no host sync per call) with
+  the router's `layer_number` (Megatron's global layer number, pipeline offset included) and the
+  iteration. The routing figures come from the measured iterations; the new-shape count (expert GEMM
+  row counts each EP rank meets for the first time, per iteration) from all of them. Calls made while the
   autograd engine runs a backward pass are the activation-recompute replays of a forward already
   counted (reentrant and non-reentrant checkpoints both recompute inside the backward's graph task)
   and are skipped. A CUDA-graphed router replays without calling forward and records nothing.
@@ -46,7 +48,10 @@ class Recorder:
 
     def __init__(self) -> None:
         self.recording = False
-        self.calls: list[tuple[int, Any]] = []
+        # the training iteration being recorded and whether it is a measured one (profile.py's _Hooks set both)
+        self.iteration = 0
+        self.measured = False
+        self.calls: list[tuple[int, int, bool, Any]] = []
         self.dropped = 0
         self.notes: list[str] = []
         self._router_cls = None
@@ -88,12 +93,16 @@ class Recorder:
         try:
             routing_map = out[1]
             num_experts = routing_map.shape[-1]
-            if len(self.calls) * num_experts + num_experts > MAX_COUNTS_PER_RANK:
+            used = len(self.calls) * num_experts + num_experts
+            if not self.measured and used > MAX_COUNTS_PER_RANK // 2:  # warm-up calls: the new-shape record only
+                return
+            if used > MAX_COUNTS_PER_RANK:
                 self.dropped += 1
                 return
             layer = router.layer_number
             # a bool tensor's sum is int64
-            self.calls.append((int(layer) if layer is not None else -1, routing_map.sum(0)))
+            self.calls.append((int(layer) if layer is not None else -1, self.iteration, self.measured,
+                               routing_map.sum(0)))
         except Exception as exc:  # a recorder's fault must never reach the training step
             self.recording = False
             self.notes.append(f"MoE routing recording stopped: {type(exc).__name__}: {exc}"[:300])
@@ -117,7 +126,7 @@ class Recorder:
             group = [int(r) for r in torch.distributed.get_process_group_ranks(ps.get_expert_model_parallel_group())]
         except Exception:  # no expert group (EP 1 in some set-ups): this rank alone
             group = [rank]
-        counts = torch.stack([c for _, c in self.calls]).cpu().tolist() if self.calls else []
+        counts = torch.stack([c[-1] for c in self.calls]).cpu().tolist() if self.calls else []
         return {
             "rank": rank,
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
@@ -125,15 +134,16 @@ class Recorder:
             "tp": ps.get_tensor_model_parallel_world_size(),
             "sequence_parallel": bool(getattr(args, "sequence_parallel", False)),
             "num_local_experts": args.num_experts // len(group),
-            "calls": [[layer, c] for (layer, _), c in zip(self.calls, counts, strict=True)],
+            "calls": [[layer, c, it, measured] for (layer, it, measured, _), c in zip(self.calls, counts, strict=True)],
             "dropped_calls": self.dropped,
         }
 
 
 # --------------------------------------------------------------------------- the summary (rank 0)
 
-def _group_calls(members: list[dict[str, Any]]) -> list[tuple[int, list[float]]]:
-    """(layer, per-expert tokens of the group) for each call index every member made."""
+def _group_calls(members: list[dict[str, Any]]) -> list[tuple[int, list[float], int, bool]]:
+    """(layer, per-expert tokens of the group, iteration, measured) for each call index every member made
+    (jobs before s9 recorded [layer, counts] of the measured iterations only: iteration 0, measured)."""
     n = min(len(m["calls"]) for m in members)
     first = members[0]
     duplicate = first["tp"] if first["tp"] > 1 and not first["sequence_parallel"] else 1
@@ -144,8 +154,30 @@ def _group_calls(members: list[dict[str, Any]]) -> list[tuple[int, list[float]]]
             raise ValueError(f"router call {i} is layer {layer} on rank {first['rank']} but another layer on a rank "
                              f"of its expert-parallel group {first['ep_group']}: the schedules differ")
         totals = [sum(col) / duplicate for col in zip(*(m["calls"][i][1] for m in members), strict=True)]
-        out.append((layer, totals))
+        it, measured = (first["calls"][i][2], bool(first["calls"][i][3])) if len(first["calls"][i]) > 2 else (0, True)
+        out.append((layer, totals, it, measured))
     return out
+
+
+def new_shapes(calls: list[tuple[int, list[float], int, bool]], num_local_experts: int) -> dict[int, list[int]]:
+    """{iteration: [expert GEMM calls with a row count the EP rank had not met before, its expert GEMM calls]}
+    of the busiest EP rank (most new counts in the run), over one group's calls in order. Each EP rank's
+    process keeps its own cuBLASLt heuristics cache, keyed by the GEMM's shape: an expert's row count met
+    for the first time is a shape its six GEMMs (fc1, fc2 forward; their dgrad and wgrad) have not met.
+    Experts with no token run no GEMM."""
+    per_rank: list[dict[int, list[int]]] = []
+    ranks = len(calls[0][1]) // num_local_experts if calls else 0
+    for j in range(ranks):
+        seen: set[int] = set()
+        tally: dict[int, list[int]] = {}
+        for _, totals, it, _ in calls:
+            rows = [round(t) for t in totals[j * num_local_experts:(j + 1) * num_local_experts] if round(t) > 0]
+            fresh = [r for r in rows if r not in seen]
+            seen.update(rows)
+            t = tally.setdefault(it, [0, 0])
+            t[0], t[1] = t[0] + len(set(fresh)), t[1] + len(rows)
+        per_rank.append(tally)
+    return max(per_rank, key=lambda t: sum(v[0] for v in t.values())) if per_rank else {}
 
 
 def _call_figures(totals: list[float], num_local_experts: int) -> tuple[float, float, float, list[float]] | None:
@@ -171,8 +203,15 @@ def summarize(rows: list[dict[str, Any] | None], local_only: bool = False) -> di
     # each expert's tokens in a call is its GEMMs' row count: a count not met before in the window is a GEMM shape
     # cuBLASLt has not chosen an algorithm for (the traces' host gaps inside TE's grouped GEMM follow it)
     expert_rows: list[int] = []
+    fresh: dict[int, list[int]] = {}
     for members in groups.values():
-        for layer, totals in _group_calls(members):
+        calls = _group_calls(members)
+        for it, (n_new, n_all) in new_shapes(calls, members[0]["num_local_experts"]).items():
+            t = fresh.setdefault(it, [0, 0])
+            t[0], t[1] = max(t[0], n_new), max(t[1], n_all)
+        for layer, totals, _, measured in calls:
+            if not measured:
+                continue
             expert_rows += [round(t) for t in totals]
             fig = _call_figures(totals, members[0]["num_local_experts"])
             if fig is None:
@@ -202,6 +241,9 @@ def summarize(rows: list[dict[str, Any] | None], local_only: bool = False) -> di
         "expert_rows_distinct": len(set(expert_rows)),
         # every distinct count is new exactly once
         "expert_rows_new_fraction": len(set(expert_rows)) / len(expert_rows),
+        # per iteration (all of them, warm-up included), the busiest EP rank of each group: its expert GEMM calls
+        # with a row count its process had not met, and all its expert GEMM calls (max over groups)
+        "expert_rows_new_per_iteration": {str(k): v for k, v in sorted(fresh.items())},
         "dropped_calls": sum(r.get("dropped_calls", 0) for r in rows),
         "source": SOURCE + (" (memory_at_scale: this one rank's own routing, the group's other ranks did not run)"
                             if local_only else ""),

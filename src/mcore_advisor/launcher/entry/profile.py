@@ -419,7 +419,7 @@ class _Hooks:
             kind = self.kinds[it - 1] if it <= len(self.kinds) else "extra"
             if kind == "measure" and "measure" not in self.kinds[:it - 1]:
                 self.host.measure_start()
-            self.routing.recording = kind == "measure"
+            self.routing.recording, self.routing.iteration, self.routing.measured = True, it, kind == "measure"
             self.peak.begin(it)
             self.host.begin_iteration()
             t0 = time.perf_counter()

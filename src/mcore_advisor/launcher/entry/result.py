@@ -120,6 +120,9 @@ class MoeRouting(TypedDict):
     """Distinct per-expert row counts (expert GEMM shapes) met in the measured iterations (jobs since s8)."""
     expert_rows_new_fraction: NotRequired[float]
     """Share of expert GEMM calls whose row count had not appeared earlier in the window (jobs since s8)."""
+    expert_rows_new_per_iteration: NotRequired[dict[str, list[int]]]
+    """{iteration: [expert GEMM calls with a row count new to the EP rank's process, its expert GEMM calls]},
+    every iteration, the busiest rank of each EP group (jobs since s9)."""
     dropped_calls: int
     """Calls not kept (the per-rank cap, entry/moe_routing.py MAX_COUNTS_PER_RANK)."""
     source: str
