@@ -396,19 +396,55 @@ def cache_spec_lines() -> list[dict]:
     return out
 
 
+#: the seventh set (session s9, issue 15): MoE shapes no lease has run, predicted by the model at the snapshot's
+#: commit before they ran (the expert-GEMM cache model of the C set and the per-expert host share of its trace in
+#: place); the job records each run's heuristic-cache miss share (an LRU replay of its row counts)
+RUN_V = {"warmup_steps": 1, "measure_steps": 8, "profile_steps": (3, 3)}
+MOE32_L = {**MOE64_L, "num_experts": 32, "moe_router_topk": 4, "moe_ffn_hidden_size": 2816}
+MOE128_L = {**MOE64_L, "num_experts": 128, "moe_router_topk": 8, "moe_ffn_hidden_size": 704}
+MOE16_L = {**MOE8_L, "num_experts": 16, "moe_router_topk": 2, "moe_ffn_hidden_size": 2816}
+
+
+def validate_rows() -> list[tuple[str, Plan, int]]:
+    a2a = {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", **NO_MASK}
+    forced = {**a2a, "moe_router_force_load_balancing": True}
+    ep4, ep2 = {"expert_model_parallel_size": 4}, {"expert_model_parallel_size": 2}
+    return [
+        ("V_moe32top4_ep4_alltoall", plan(MOE32_L, 4, seq=4096, gbs=32, mbs=4, par=ep4, impl=a2a), 4),
+        ("V_moe32top4_ep4_alltoall_forced", plan(MOE32_L, 4, seq=4096, gbs=32, mbs=4, par=ep4, impl=forced), 4),
+        ("V_moe128top8_ep4_alltoall", plan(MOE128_L, 4, seq=4096, gbs=32, mbs=4, par=ep4, impl=a2a), 4),
+        ("V_moe64top8_ep4_permfused_cache64k", plan(MOE64_L, 4, seq=4096, gbs=32, mbs=4, par=ep4, impl={
+            **a2a, "moe_permute_fusion": True, "cublaslt_heuristics_cache_capacity": 65536}), 4),
+        ("V_moe64top8_tp2_sp_ep2_etp1", plan(MOE64_L, 4, seq=4096, gbs=16, mbs=4, par={
+            "tensor_model_parallel_size": 2, "sequence_parallel": True, **ep2, "expert_tensor_parallel_size": 1}, impl=a2a), 4),
+        ("V_moe16top2_ep2_allgather", plan(MOE16_L, 2, seq=4096, gbs=16, mbs=4, par=ep2,
+                                           impl={**a2a, "moe_token_dispatcher_type": "allgather"}), 2),
+        ("V_moe64top8_ep2_alltoall_fp8tensorwise", plan(MOE64_L, 2, seq=4096, gbs=16, mbs=4, par=ep2, impl=a2a,
+                                                        train=TENSORWISE), 2),
+        ("V_qwen30like_e128k8_s4k_mbs4", plan(QWEN30_F, 1, seq=4096, gbs=16, mbs=4, impl=a2a), 1),
+        ("V_qwen30like_e128k8_s4k_mbs4_forced", plan(QWEN30_F, 1, seq=4096, gbs=16, mbs=4, impl=forced), 1),
+    ]
+
+
+def validate_spec_lines() -> list[dict]:
+    return [{"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": True,
+             "spec": job_spec(p, **RUN_V)} for name, p, n in validate_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
                          "mask: the M_* plans (with and without the data loader's attention mask); "
-                         "cache: the C_* plans (expert GEMM shapes and cuBLASLt's heuristics cache)")
+                         "cache: the C_* plans (expert GEMM shapes and cuBLASLt's heuristics cache); "
+                         "validate: the V_* plans (MoE shapes predicted before they ran)")
     a = ap.parse_args(argv)
     lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
-             "mask": mask_spec_lines, "cache": cache_spec_lines}.get(
+             "mask": mask_spec_lines, "cache": cache_spec_lines, "validate": validate_spec_lines}.get(
         a.set, lambda: spec_lines(a.gpus))()
     Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"wrote {len(lines)} runs ({sum(x['nproc'] == a.gpus for x in lines)} on {a.gpus} GPUs) to {a.out}")

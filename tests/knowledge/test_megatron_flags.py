@@ -30,8 +30,10 @@ NOT_FLAGS = {
     "cluster.scaleout_bandwidth_gbps": "a model input", "cluster.gpu_memory_gib": "a model input",
     "cluster.host_floor_ms_per_layer": "a model input",
     "implementation.expandable_segments": "PYTORCH_CUDA_ALLOC_CONF, an environment variable",
+    "implementation.cublaslt_heuristics_cache_capacity": "CUBLASLT_HEURISTICS_CACHE_CAPACITY, an environment variable",
     "implementation.moe_routing_imbalance": "a model input (measured routing)",
     "implementation.moe_expert_load_cv": "a model input (measured routing)",
+    "implementation.moe_heuristic_miss_share": "a model input (measured routing)",
 }
 
 CATALOG = sorted(model_catalog())

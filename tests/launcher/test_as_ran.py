@@ -100,3 +100,13 @@ def test_a_fake_process_group_run_is_predicted_with_the_mean_expert_load():
     ran = as_ran(moe, {**AS_RENDERED, "mode": "memory_at_scale"})
     assert ran.plan.implementation.moe_routing_imbalance == 1.0  # the fake all-to-all returns a rank's own tokens
     assert as_ran(PLAN, {**AS_RENDERED, "mode": "memory_at_scale"}).plan.implementation.moe_routing_imbalance is None
+
+
+def test_the_jobs_cublaslt_cache_and_measured_miss_share_are_what_gets_predicted():
+    result = {**AS_RENDERED, "host": {"cublaslt_heuristics_cache_capacity": 0},
+              "moe_routing": {"expert_gemm_heuristic_miss_share": 0.62}}
+    ran = as_ran(PLAN, result)
+    assert ran.plan.implementation.cublaslt_heuristics_cache_capacity == 0
+    assert ran.plan.implementation.moe_heuristic_miss_share == 0.62
+    assert "cublaslt_heuristics_cache_capacity 0 (the job's environment)" in ran.differences
+    assert as_ran(PLAN, AS_RENDERED).plan.implementation.cublaslt_heuristics_cache_capacity is None

@@ -50,6 +50,25 @@ def test_warm_up_calls_count_for_new_shapes_only_and_each_ep_rank_keeps_its_own_
     assert s["expert_rows_new_per_iteration"] == {"1": [2, 2], "2": [0, 2], "3": [1, 2]}
 
 
+def test_the_lru_replay_counts_the_measured_iterations_misses_first_met_or_evicted():
+    # one EP rank with 1 local expert; cache of 2 row counts. Warm-up: 5, 6 (not counted). Measured: 5 (hit),
+    # 7 (new: evicts 6), 6 (evicted earlier: evicts 5), 6 (hit) -> 2 of 4 measured calls
+    calls = [(1, [5.0], 1, False), (1, [6.0], 1, False), (1, [5.0], 2, True), (1, [7.0], 2, True),
+             (1, [6.0], 3, True), (1, [6.0], 3, True)]
+    assert M.heuristic_misses(calls, 1, capacity=2) == (2, 4)
+    # a cache that holds every count misses only the first-met 7; experts with no token run no GEMM
+    assert M.heuristic_misses(calls, 1, capacity=3) == (1, 4)
+    assert M.heuristic_misses([(1, [0.0], 1, True)], 1, capacity=1) == (0, 0)
+
+
+def test_the_miss_share_is_reported_only_where_warm_up_calls_were_recorded():
+    old = M.summarize([_rank(0, [[1, [3, 1, 2, 2]]]), _rank(1, [[1, [1, 1, 4, 2]]])])
+    assert "expert_gemm_heuristic_miss_share" not in old  # a pre-s9 record: measured calls only
+    calls = [[1, [3, 1, 2, 2], 1, False], [1, [3, 1, 2, 2], 2, True]]
+    new = M.summarize([_rank(0, calls), _rank(1, [[lay, [0, 0, 0, 0], it, m] for lay, _, it, m in calls])])
+    assert new["expert_gemm_heuristic_miss_share"] == 0.0  # the measured call meets the warm-up's counts again
+
+
 def test_tensor_parallel_ranks_without_sequence_parallelism_route_the_same_tokens_once():
     # ranks 0 and 1 are one TP pair that is also the EP group: without SP both routed the same 4 tokens
     calls = [[1, [3, 1, 2, 2]]]

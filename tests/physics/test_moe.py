@@ -62,7 +62,8 @@ def test_the_aux_loss_adds_its_score_bytes_to_the_router():
 # attention + 22 others; wgrad fusion on, no separate adds); the MoE layer keeps 73% / 59% of them plus the
 # pre-MLP norm's 1.7 / 3.3.
 ATTN_PART = (0.73 * 16 + 1.7, 0.59 * 34 + 3.3)
-EXPERTS_8 = (9.3 + 8 * 0.9, 23.5 + 8 * 4.6)  # two GroupedLinear calls + activation, then per local expert
+PER_F, PER_B = moe.PER_EXPERT_HOST_KERNELS[True]  # the C_qwen30like trace's per-expert share (s9)
+EXPERTS_8 = (9.3 + 8 * PER_F, 23.5 + 8 * PER_B)  # two GroupedLinear calls + activation, then per local expert
 
 
 def test_host_launches_of_a_te_grouped_moe_layer_counted_part_by_part():
@@ -78,15 +79,15 @@ def test_host_launches_of_a_te_grouped_moe_layer_counted_part_by_part():
 
 def test_dispatcher_collectives_cost_host_time_only_with_expert_parallel_peers():
     kit, par = stm._moe_kit(), {"expert_model_parallel_size": 8}
-    forced = {"moe_router_force_load_balancing": True}  # no heuristics-cache misses (tested above)
+    forced = {"moe_router_force_load_balancing": True}  # no heuristics-cache misses (test_heuristic_*)
     c1, L1 = _ctx(_plan(impl=forced))
     c8, L8 = _ctx(_plan(gpus=8, par=par, impl=forced))
     one = moe.host_kernels(c1, L1, moe.moe_parts(c1, kit))
     eight = moe.host_kernels(c8, L8, moe.moe_parts(c8, kit))
     # EP 8: one local expert instead of 8 (7 fewer per-expert shares), plus the all-to-alls, the counts'
     # all-gather and the split bookkeeping (8.9 forward, 9.1 backward)
-    assert float(eight[0][0] - one[0][0]) == pytest.approx(8.9 - 7 * 0.9)
-    assert float(eight[1][0] - one[1][0]) == pytest.approx(9.1 - 7 * 4.6)
+    assert float(eight[0][0] - one[0][0]) == pytest.approx(8.9 - 7 * PER_F)
+    assert float(eight[1][0] - one[1][0]) == pytest.approx(9.1 - 7 * PER_B)
 
 
 def test_a_shared_expert_launches_what_a_dense_mlp_does():
@@ -122,8 +123,8 @@ def test_the_launches_after_the_dispatcher_sync_cannot_hide_behind_earlier_work(
     c, L = _ctx(_plan(gpus=8, par=par))
     parts = moe.moe_parts(c, stm._moe_kit())
     # half of the always-made dispatcher work and permute (5.1 + 5), the collectives 8.9, one local
-    # expert's grouped GEMMs 9.3 + 0.9
-    post = 0.5 * (5.1 + 5.0) + 8.9 + 9.3 + 0.9
+    # expert's grouped GEMMs 9.3 + its per-expert share
+    post = 0.5 * (5.1 + 5.0) + 8.9 + 9.3 + PER_F
     assert float(moe.post_sync_kernels_f(c, parts)[0]) == pytest.approx(post)
     lay = moe.moe_layer(c, L, stm._moe_kit())
     ex, pm = parts["experts"], parts["permute"]
@@ -226,3 +227,51 @@ def test_te_fused_permute_moves_each_token_once_and_its_copies_once_and_launches
     assert p["kernels"] == moe.PERMUTE_HOST_KERNELS[True]
     local, _ = _ctx(_plan(impl={"moe_permute_fusion": True, "transformer_impl": "local"}))
     assert local.impl.moe_permute_fused is False  # TE's kernels: the local spec cannot fuse
+
+
+# ---- cuBLASLt's heuristics cache -------------------------------------------------------------------------
+
+def test_heuristic_misses_need_more_row_counts_than_the_cache_holds():
+    # forced routing: 2,048 rows per expert +- sqrt(2048): some 500 counts, under 8192 / 6 = 1365 -> every one cached
+    assert float(moe.heuristic_miss_share(2048.0, 0.0)) == 0.0
+    # no cache: every GEMM asks the heuristic
+    assert float(moe.heuristic_miss_share(2048.0, 0.24, capacity_keys=0)) == 1.0
+    # 64 experts as an untrained router sends them (cv 0.24, s9's C rows): thousands of counts thrash 8192
+    # problems, and 65536 (10,922 counts) holds them
+    uneven = float(moe.heuristic_miss_share(2048.0, 0.24))
+    assert 0.1 < uneven < 0.6
+    assert float(moe.heuristic_miss_share(2048.0, 0.24, capacity_keys=65536)) == 0.0
+    # a wider spread misses more
+    assert float(moe.heuristic_miss_share(2048.0, 0.5)) > uneven
+
+
+def test_che_approximation_on_an_even_spread_misses_one_minus_capacity_over_counts():
+    # uniform over N counts with an LRU of C: sum_i (1 - exp(-T/N)) = C -> miss = exp(-T/N) = 1 - C/N.
+    # A gamma law with a tiny spread around a huge mean is near-uniform over its central counts: compare the
+    # private solver on an explicit uniform law instead
+    import numpy as np
+
+    p = np.full(4000, 1 / 4000)
+    lo, hi = 1.0, 1e15
+    for _ in range(80):
+        t = (lo * hi) ** 0.5
+        lo, hi = (lo, t) if np.sum(-np.expm1(-p * t)) > 1000 else (t, hi)
+    assert float(np.sum(p * np.exp(-p * lo))) == pytest.approx(1 - 1000 / 4000, rel=1e-6)
+
+
+def test_a_measured_miss_share_or_cache_size_changes_the_expert_host_launches_by_the_query_cost():
+    kit = stm._moe_kit()
+    even, _ = _ctx(_plan(impl={"moe_heuristic_miss_share": 0.0}))
+    all_miss, _ = _ctx(_plan(impl={"moe_heuristic_miss_share": 1.0}))
+    k0, k1 = moe.experts(even, kit)["kernels"], moe.experts(all_miss, kit)["kernels"]
+    q_f, q_b = stm._ref_units()
+    # 8 local experts x (2 forward, 4 backward GEMMs) x HEURISTIC_QUERY_REF_LAYERS reference layers each
+    assert float((k1[0] - k0[0])[0]) == pytest.approx(8 * 2 * moe.HEURISTIC_QUERY_REF_LAYERS * q_f)
+    assert float((k1[1] - k0[1])[0]) == pytest.approx(8 * 4 * moe.HEURISTIC_QUERY_REF_LAYERS * q_b)
+    # q_f forward units (or q_b backward units) cost the host one reference layer: the host floor
+    floor = stm.hardware_params(_plan().cluster).host_floor_s_per_layer
+    assert even.host_f * q_f == pytest.approx(floor) and even.host_b * q_b == pytest.approx(floor)
+    # a step with no cache (every expert GEMM misses) is slower than the default, which is no faster than 65536
+    uneven = {"moe_router_force_load_balancing": False}
+    t = [step_time(_plan(impl={**uneven, "cublaslt_heuristics_cache_capacity": cap})).iteration_time_s for cap in (0, None, 65536)]
+    assert t[0] > t[1] >= t[2]

@@ -80,3 +80,19 @@ def test_speed_changes_each_make_a_distinct_plan_and_name_every_field_they_move(
             assert getattr(getattr(plan, section), name) == current != proposed == getattr(getattr(ch.plan, section), name)
     tp_half = next(ch for ch in changes if ch.fields[0] == "parallelism.tensor_model_parallel_size")
     assert tp_half.plan.parallelism.tensor_model_parallel_size == 2
+
+
+def test_uneven_moe_routing_is_offered_a_larger_cublaslt_cache_and_forced_routing_is_not():
+    from mcore_advisor.planning.plan_changes import CUBLASLT_CACHE_FIX, plan_changes as changes
+    from mcore_advisor.schemas import with_changes
+
+    moe = Plan(model={"name": "mixtral-8x7b"}, cluster={"gpu": "h100-sxm", "num_gpus": 64},
+               training={"seq_length": 4096, "global_batch_size": 256, "micro_batch_size": 1},
+               parallelism={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 4,
+                            "expert_model_parallel_size": 8})
+    fields = [ch.fields for ch in changes(moe, "speed")]
+    assert ["implementation.cublaslt_heuristics_cache_capacity"] in fields
+    offered = next(ch for ch in changes(moe, "speed") if ch.fields == ["implementation.cublaslt_heuristics_cache_capacity"])
+    assert offered.plan.implementation.cublaslt_heuristics_cache_capacity == CUBLASLT_CACHE_FIX
+    forced = with_changes(moe, "implementation", moe_router_force_load_balancing=True)
+    assert ["implementation.cublaslt_heuristics_cache_capacity"] not in [ch.fields for ch in changes(forced, "speed")]

@@ -614,3 +614,12 @@ def test_the_profile_target_refuses_a_hybrid_model_naming_the_field():
         job_spec(HYBRID)
     assert render_mod.profile_job_refusal(resolve_model(DENSE.model)) is None
     assert render_mod.profile_job_refusal(resolve_model(HYBRID.model)).startswith("model.hybrid_layer_pattern")
+
+
+def test_a_cublaslt_cache_size_in_the_plan_is_exported_to_every_rank():
+    from mcore_advisor.schemas import with_changes
+
+    art = _render(with_changes(MOE, "implementation", cublaslt_heuristics_cache_capacity=65536), allow_invalid=True)
+    assert _env(art, "CUBLASLT_HEURISTICS_CACHE_CAPACITY").value == "65536"
+    assert "CUBLASLT_HEURISTICS_CACHE_CAPACITY=65536" in art.script
+    assert _env(_render(MOE, allow_invalid=True), "CUBLASLT_HEURISTICS_CACHE_CAPACITY") is None  # cuBLASLt's default

@@ -50,6 +50,10 @@ def as_ran(plan: Plan, result: Mapping[str, Any] | None) -> AsRan:
     diffs = [f"{k} {v}" + (" (the plan asked for " + str(getattr(im, k)) + ")" if k == "transformer_impl" else "")
              for k, v in changes.items()]
     plan = with_changes(plan, "implementation", **changes) if changes else plan
+    cache = (result.get("host") or {}).get("cublaslt_heuristics_cache_capacity")
+    if cache is not None and plan.implementation.cublaslt_heuristics_cache_capacity is None:
+        plan = with_changes(plan, "implementation", cublaslt_heuristics_cache_capacity=int(cache))
+        diffs = diffs + [f"cublaslt_heuristics_cache_capacity {int(cache)} (the job's environment)"]
     plan, diffs = _with_measured_routing(plan, result, diffs)
     return _on_measured_host(plan, result, diffs)
 
@@ -68,6 +72,8 @@ def _with_measured_routing(plan: Plan, result: Mapping[str, Any], diffs: list[st
         changes["moe_routing_imbalance"] = round(max(1.0, float(rec["rank_imbalance_mean"])), 4)
     if rec.get("expert_load_cv_mean") is not None and im.moe_expert_load_cv is None:
         changes["moe_expert_load_cv"] = round(float(rec["expert_load_cv_mean"]), 4)
+    if rec.get("expert_gemm_heuristic_miss_share") is not None and im.moe_heuristic_miss_share is None:
+        changes["moe_heuristic_miss_share"] = round(float(rec["expert_gemm_heuristic_miss_share"]), 4)
     if not changes:
         return plan, diffs
     return (with_changes(plan, "implementation", **changes),

@@ -70,6 +70,8 @@ class Implementation:
     create_attention_mask_in_dataloader: bool = True
     moe_routing_imbalance: float | None = None
     moe_expert_load_cv: float | None = None
+    moe_heuristic_miss_share: float | None = None
+    cublaslt_heuristics_cache_capacity: int | None = None
 
     @classmethod
     def of(cls, im: ImplementationSpec, *, fp8_recipe: str = "delayed", fp8_param_gather: bool = False,

@@ -16,6 +16,8 @@ them (no import cycle).
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -101,7 +103,7 @@ fused dispatch and one fused combine call, setup_metadata's topk, indices-to-mul
 taken as the allgather's."""
 
 GROUPED_EXPERTS_HOST_KERNELS = (9.3, 23.5)
-PER_EXPERT_HOST_KERNELS = {True: (0.9, 4.6), False: (4.7, 12.4)}
+PER_EXPERT_HOST_KERNELS = {True: (0.26, 2.0), False: (4.7, 12.4)}
 """Routed experts. TEGroupedMLP (moe_grouped_gemm): two calls of TE's GroupedLinear + the weighted
 activation (fixed: traces 10.0 and 14.5 Linear calls forward, 5.4 and 11.5 backward nodes beyond the
 per-expert share) and per local expert: TE's general_grouped_gemm issues one cuBLAS GEMM per expert and
@@ -145,6 +147,84 @@ moe_routing.expert_load_cv_mean) on 2 x H100, Megatron-LM 0.19.2 + TE 2.20.2, hi
 tokens per rank and micro-batch (benchmarks/results/gpu_h100x2_R_runs.jsonl): 0.184 with 8 experts top-2,
 0.234 with 64 experts top-8 (the two rows outside the held-out third; the held-out twins read 0.186 and
 0.234); with --moe-router-force-load-balancing 0.009 / 0.015, the sampling noise alone."""
+
+CUBLASLT_HEURISTICS_CACHE_KEYS = 8192
+"""cuBLASLt's heuristics cache: the algorithm chosen for each GEMM problem (its shape among the key) is kept for
+this many problems (NVIDIA cuBLAS documentation, heuristics cache: default capacity 8192, environment variable
+CUBLASLT_HEURISTICS_CACHE_CAPACITY; 0 turns it off). Transformer Engine's GEMMs (the grouped experts' one per
+expert, Linear's) and torch's go through it."""
+
+EXPERT_GEMM_SHAPES = 6
+"""cuBLASLt problems per expert row count: fc1 and fc2 forward, each one's dgrad and wgrad (the row count is M
+of four and K of the two wgrads; the other dimensions are the layer's, alike for every expert and layer)."""
+
+HEURISTIC_QUERY_REF_LAYERS = 0.0245
+"""Host time of one GEMM whose problem misses the heuristics cache (cublasLtMatmulAlgoGetHeuristic, then the
+launch), in reference layers (the host floor's unit): 0.135 ms, the median over 300 row counts met for the
+first time of a bf16 GEMM on one H100 VM (medians 0.12-0.15 ms, cuBLASLt and cuBLAS alike; 0.015 ms once
+met: benchmarks/gpu/gemm_shape_probe.py -> benchmarks/results/gpu_h100_gemm_shape_probe.json), over that VM's
+host_floor_ms_per_layer 5.5. The median, not the mean (0.27-0.30 ms): the few queries that take milliseconds
+are a new kernel's first load (once per kernel, early in a run). In a run (s9, 4 x H200, host probe 4.8 ms):
+the cache turned off added 1.27 s per step to ~15,000 expert GEMMs of a one-GPU 128-expert model
+(C_qwen30like_e128k8_s4k and _cache0; 85 us each, against 0.118 ms from this constant at that probe)."""
+
+
+#: bins of the row-count law in the cache model: each bin's counts are taken as equally likely (the law is smooth
+#: over a few hundredths of its width), which keeps a layout search's many calls cheap
+ROW_COUNT_BINS = 2000
+
+
+def _row_count_bins(mean: float, cv: float) -> tuple[np.ndarray, float]:
+    """(probability of one row count in each bin, counts per bin) of an expert GEMM's row count m >= 1: a gamma
+    law of the expert's mean load `mean` and spread cv across experts, layers and micro-batches plus the
+    routing's Poisson noise (cv^2 + 1/mean); experts with no token run no GEMM."""
+    k = 1.0 / (cv * cv + 1.0 / mean)
+    theta = mean / k
+    top = mean + 12.0 * mean / math.sqrt(k) + 50.0
+    width = max(1.0, top / ROW_COUNT_BINS)
+    m = np.arange(1.0, top, width) + 0.5 * (width - 1.0)
+    p = np.exp((k - 1.0) * np.log(m) - m / theta - math.lgamma(k) - k * math.log(theta))
+    return p / (p.sum() * width), width
+
+
+@functools.lru_cache(maxsize=4096)
+def _lru_miss_share(mean: int, cv_milli: int, capacity: int) -> float:
+    """Share of row counts drawn from _row_count_bins that miss an LRU cache of `capacity` row counts, in steady
+    state (Che's approximation: a count of probability p is cached while it recurs within the cache's
+    characteristic time T, sum over counts of 1 - exp(-p T) = capacity). 0 where the counts fit."""
+    if capacity <= 0:
+        return 1.0
+    p, width = _row_count_bins(float(max(mean, 1)), cv_milli / 1000.0)
+    if width * np.count_nonzero(p > 1e-9) <= capacity:
+        return 0.0
+    lo, hi = 1.0, 1e15
+    for _ in range(60):
+        t = math.sqrt(lo * hi)
+        lo, hi = (lo, t) if width * np.sum(-np.expm1(-p * t)) > capacity else (t, hi)
+    return float(width * np.sum(p * np.exp(-p * lo)))
+
+
+def _quantized(mean: float) -> int:
+    """The mean load on a 2% log grid (the miss share is smooth in it): a search's layouts share cache entries."""
+    if mean <= 64:
+        return int(round(mean))
+    return int(round(math.exp(round(math.log(mean) / 0.02) * 0.02)))
+
+
+def heuristic_miss_share(mean_rows, cv: float, capacity_keys: int = CUBLASLT_HEURISTICS_CACHE_KEYS) -> np.ndarray:
+    """Share of expert GEMMs whose problem is not in cuBLASLt's heuristics cache, per layout (`mean_rows`: the
+    rows each local expert runs per call, array). An EP rank's process meets one row count per expert and call;
+    while the counts it meets recur within the cache's reach they hit; fine-grained experts routed unevenly
+    meet thousands, each EXPERT_GEMM_SHAPES problems, and thrash it (profile job, session s9, 4 x H200:
+    64 experts top-8 as routed 0.733 s per step with the cache off, 0.735 with the default, 0.656 with
+    CUBLASLT_HEURISTICS_CACHE_CAPACITY=65536, 0.646 routed evenly: benchmarks/results/gpu_h200x4_C_runs.jsonl).
+    Steady state: the counts met for the first time in a run's early iterations, misses too, vanish over a long
+    run; a profile job records its own iterations' share (launcher/entry/moe_routing.py heuristic_misses)."""
+    cap = int(capacity_keys // EXPERT_GEMM_SHAPES)
+    flat = np.atleast_1d(np.asarray(mean_rows, dtype=np.float64))
+    out = np.array([_lru_miss_share(_quantized(m), int(round(1000 * cv)), cap) for m in flat.reshape(-1)])
+    return out.reshape(np.shape(mean_rows))
+
 
 def _expected_max_normal(n) -> np.ndarray:
     """E[max of n independent standard normals] (Blom's approximation, within 1% for n <= 4,096); 0 for n = 1."""
@@ -201,6 +281,7 @@ class MoeKit:
     latency_s: float  # COLLECTIVE_LATENCY_S
     nvlink_hop_s: float
     network_hop_s: float
+    ref_units: tuple[float, float]  # host units (forward, backward) that cost one reference layer's host time
 
 
 def _aux_loss_on(shape) -> bool:
@@ -293,9 +374,16 @@ def experts(c, kit: MoeKit) -> dict:
     acc = kit.wgrad_s(w_exp, len(lw) * local + 1.0, impl, c.bw, c.bw_ew)
     per_f, per_b = PER_EXPERT_HOST_KERNELS[bool(grouped)]
     fix_f, fix_b = GROUPED_EXPERTS_HOST_KERNELS if grouped else (0.0, 0.0)
+    share = (impl.moe_miss_share if impl.moe_miss_share is not None
+             else heuristic_miss_share(M_e, expert_load_cv(impl.moe_force_balanced, impl.moe_expert_cv),
+                                       CUBLASLT_HEURISTICS_CACHE_KEYS if impl.cublaslt_cache is None else impl.cublaslt_cache))
+    miss = local * share
+    q_f, q_b = kit.ref_units
+    # a miss costs HEURISTIC_QUERY_REF_LAYERS of the host's reference layer: fc1, fc2 forward; 4 GEMMs backward
     return {"gemm_f": n * (fc1[0] + fc2[0]), "gemm_b": n * (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
-            "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp,
-            "kernels": (fix_f + per_f * local, fix_b + per_b * local)}
+            "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "heuristic_misses": miss,
+            "kernels": (fix_f + per_f * local + 2.0 * miss * HEURISTIC_QUERY_REF_LAYERS * q_f,
+                        fix_b + per_b * local + 4.0 * miss * HEURISTIC_QUERY_REF_LAYERS * q_b)}
 
 
 def shared_experts(c, kit: MoeKit) -> dict:
@@ -474,7 +562,7 @@ def dominant_part(times: dict) -> tuple[str, float]:
     return name, (vals[name] / total if total > 0 else 0.0)
 
 
-__all__ = ["MoeKit", "attention_part_kernels", "dispatch_s", "dispatcher_kernels", "dominant_part", "experts",
+__all__ = ["MoeKit", "heuristic_miss_share", "attention_part_kernels", "dispatch_s", "dispatcher_kernels", "dominant_part", "experts",
            "host_kernels", "host_pieces", "host_syncs_per_layer", "moe_layer", "moe_part_times", "moe_parts", "permute",
            "post_sync_kernels_f", "router", "busiest_rank_load", "expert_load_cv", "routing_imbalance",
            "shared_experts", "tokens_per_expert"]

@@ -587,6 +587,8 @@ class _Impl:
     dataloader_mask: bool = True  # --create-attention-mask-in-dataloader (Megatron-LM's default)
     moe_imbalance: float | None = None  # measured busiest-EP-rank load over the mean (physics.moe.routing_imbalance)
     moe_expert_cv: float | None = None  # measured expert-load spread (physics.moe.expert_load_cv)
+    moe_miss_share: float | None = None  # measured expert GEMMs missing cuBLASLt's heuristics cache
+    cublaslt_cache: int | None = None  # CUBLASLT_HEURISTICS_CACHE_CAPACITY (None: cuBLASLt's default)
     ce_fusion: bool = True
     recompute_modules: tuple[str, ...] = ("core_attn",)
     cuda_graph_impl: str = "none"
@@ -620,6 +622,8 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         dataloader_mask=im.create_attention_mask_in_dataloader,
         moe_imbalance=im.moe_routing_imbalance,
         moe_expert_cv=im.moe_expert_load_cv,
+        moe_miss_share=im.moe_heuristic_miss_share,
+        cublaslt_cache=im.cublaslt_heuristics_cache_capacity,
         ce_fusion=im.cross_entropy_loss_fusion,
         recompute_modules=im.recompute_modules if im.recompute_modules is not None else ("core_attn",),
         cuda_graph_impl=im.cuda_graph_impl,
@@ -1075,7 +1079,16 @@ def _moe_kit() -> MoeKit:
     """This module's primitives for physics.moe (which cannot import them: this module imports it)."""
     return MoeKit(ring_s=_ring_s, ramp=_ramp, wgrad_s=_wgrad_accumulation_s, local_weights=_local_weights, linears=_linears,
                   kernel_s=KERNEL_LAUNCH_S, latency_s=COLLECTIVE_LATENCY_S, nvlink_hop_s=NVLINK_HOP_LATENCY_S,
-                  network_hop_s=NETWORK_HOP_LATENCY_S)
+                  network_hop_s=NETWORK_HOP_LATENCY_S, ref_units=_ref_units())
+
+
+@lru_cache(maxsize=1)
+def _ref_units() -> tuple[float, float]:
+    """(forward, backward) host units whose host time is one reference layer's (HOST_FORWARD_SHARE of it
+    forward over its forward kernels, the rest over its backward kernels): prices host work given in
+    reference layers in the units host_f / host_b charge."""
+    k_f, k_b = host_reference_kernels()
+    return k_f / HOST_FORWARD_SHARE, k_b / (1.0 - HOST_FORWARD_SHARE)
 
 
 def _moe_layer(c: _Ctx, L: _Layers) -> dict:

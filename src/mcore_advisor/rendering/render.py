@@ -282,6 +282,11 @@ def _environment(req: RenderRequest, arch: str, headroom: float | None) -> list[
         env.append(EnvSetting(name="PYTORCH_CUDA_ALLOC_CONF", action="set", value="expandable_segments:True",
                               why=f"estimated peak leaves {headroom:.0%} of HBM free (< {TIGHT_MEMORY_HEADROOM:.0%}): "
                                   "fragmentation alone could run the job out of memory"))
+    if plan.implementation.cublaslt_heuristics_cache_capacity is not None:
+        env.append(EnvSetting(name="CUBLASLT_HEURISTICS_CACHE_CAPACITY", action="set",
+                              value=str(plan.implementation.cublaslt_heuristics_cache_capacity),
+                              why="implementation.cublaslt_heuristics_cache_capacity: GEMM problems cuBLASLt keeps its "
+                                  "algorithm choice for (default 8192; uneven fine-grained experts thrash it)"))
     if req.target == "megatron" and plan.implementation.transformer_impl == "transformer_engine":
         for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
             env.append(EnvSetting(name=name, action="unset",

@@ -159,6 +159,40 @@ def _group_calls(members: list[dict[str, Any]]) -> list[tuple[int, list[float], 
     return out
 
 
+#: cuBLASLt's heuristics cache in row counts: its default 8192 problems (CUBLASLT_HEURISTICS_CACHE_CAPACITY) over
+#: the six GEMM problems of one expert row count (physics.moe.CUBLASLT_HEURISTICS_CACHE_KEYS / EXPERT_GEMM_SHAPES)
+HEURISTIC_CACHE_ROW_COUNTS = 8192 // 6
+
+
+def heuristic_misses(calls: list[tuple[int, list[float], int, bool]], num_local_experts: int,
+                     capacity: int = HEURISTIC_CACHE_ROW_COUNTS) -> tuple[int, int]:
+    """(expert GEMM calls of the measured iterations whose row count is not in an LRU cache of `capacity` row
+    counts, those calls), the EP rank with most misses: each rank's row counts replayed in call order through its
+    own LRU from the first iteration on. A count met for the first time misses like one evicted earlier: both
+    ask cuBLASLt's heuristic (physics.moe.HEURISTIC_QUERY_REF_LAYERS)."""
+    from collections import OrderedDict
+
+    best = (0, 0)
+    ranks = len(calls[0][1]) // num_local_experts if calls else 0
+    for j in range(ranks):
+        lru: OrderedDict[int, None] = OrderedDict()
+        missed = total = 0
+        for _, totals, _, measured in calls:
+            for r in (round(t) for t in totals[j * num_local_experts:(j + 1) * num_local_experts]):
+                if r <= 0:
+                    continue
+                total += measured
+                if r in lru:
+                    lru.move_to_end(r)
+                    continue
+                missed += measured
+                if len(lru) >= capacity:
+                    lru.popitem(last=False)
+                lru[r] = None
+        best = max(best, (missed, total))
+    return best
+
+
 def new_shapes(calls: list[tuple[int, list[float], int, bool]], num_local_experts: int) -> dict[int, list[int]]:
     """{iteration: [expert GEMM calls with a row count the EP rank had not met before, its expert GEMM calls]}
     of the busiest EP rank (most new counts in the run), over one group's calls in order. Each EP rank's
@@ -204,8 +238,13 @@ def summarize(rows: list[dict[str, Any] | None], local_only: bool = False) -> di
     # cuBLASLt has not chosen an algorithm for (the traces' host gaps inside TE's grouped GEMM follow it)
     expert_rows: list[int] = []
     fresh: dict[int, list[int]] = {}
+    misses, warm_up_recorded = [0, 0], False
     for members in groups.values():
         calls = _group_calls(members)
+        warm_up_recorded = warm_up_recorded or any(not m for _, _, _, m in calls)
+        n_miss, n_calls = heuristic_misses(calls, members[0]["num_local_experts"])
+        if n_calls and (not misses[1] or n_miss / n_calls > misses[0] / misses[1]):
+            misses = [n_miss, n_calls]
         for it, (n_new, n_all) in new_shapes(calls, members[0]["num_local_experts"]).items():
             t = fresh.setdefault(it, [0, 0])
             t[0], t[1] = max(t[0], n_new), max(t[1], n_all)
@@ -244,6 +283,10 @@ def summarize(rows: list[dict[str, Any] | None], local_only: bool = False) -> di
         # per iteration (all of them, warm-up included), the busiest EP rank of each group: its expert GEMM calls
         # with a row count its process had not met, and all its expert GEMM calls (max over groups)
         "expert_rows_new_per_iteration": {str(k): v for k, v in sorted(fresh.items())},
+        # the measured iterations' expert GEMMs whose row count missed cuBLASLt's heuristics cache (LRU replay from
+        # the first iteration, the EP rank with the highest share); only where warm-up calls were recorded (s9 on)
+        **({"expert_gemm_heuristic_miss_share": misses[0] / misses[1]}
+           if misses[1] and warm_up_recorded else {}),
         "dropped_calls": sum(r.get("dropped_calls", 0) for r in rows),
         "source": SOURCE + (" (memory_at_scale: this one rank's own routing, the group's other ranks did not run)"
                             if local_only else ""),

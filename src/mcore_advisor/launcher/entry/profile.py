@@ -375,6 +375,10 @@ def _prepare_env(spec: dict[str, Any], argv: list[str]) -> None:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     if spec["implementation"].get("expandable_segments"):
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if spec["implementation"].get("cublaslt_heuristics_cache_capacity") is not None:
+        # read when cuBLASLt loads (the first GEMM): set before any CUDA work
+        os.environ.setdefault("CUBLASLT_HEURISTICS_CACHE_CAPACITY",
+                              str(int(spec["implementation"]["cublaslt_heuristics_cache_capacity"])))
     if spec.get("mode") == "memory_at_scale":
         if int(os.environ.get("WORLD_SIZE", "1")) != 1:
             raise ValueError("a memory_at_scale job is one process; start it without torchrun")
@@ -750,6 +754,7 @@ class Job:
             usable = None
         return {
             "cpu_count": os.cpu_count(),
+            "cublaslt_heuristics_cache_capacity": _env_int("CUBLASLT_HEURISTICS_CACHE_CAPACITY"),
             "cpus_usable": usable,
             "local_processes_of_this_job": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             "cpu_steal_fraction_measured": self.host.steal_fraction,
@@ -775,6 +780,14 @@ _SETTINGS = (
     "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype", "moe_router_force_load_balancing",
     "moe_permute_fusion", "create_attention_mask_in_dataloader",
 )
+
+
+def _env_int(name: str) -> int | None:
+    """An integer environment variable as the job ran with it (None: unset or not an integer)."""
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
 
 
 def _settings(args) -> dict[str, Any]:

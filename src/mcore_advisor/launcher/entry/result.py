@@ -66,6 +66,8 @@ class HostReport(TypedDict):
     gc_pause_s_per_iteration: list[float]
     gc_gen2_collections_per_iteration: list[int]
     gc_source: str
+    cublaslt_heuristics_cache_capacity: NotRequired[int | None]
+    """CUBLASLT_HEURISTICS_CACHE_CAPACITY as the job ran (None: unset, cuBLASLt's default; jobs since s9)."""
     probe: NotRequired[HostProbe | None]
     """The host's measured speed (entry/host_probe.py); None on a CPU run."""
 
@@ -123,6 +125,9 @@ class MoeRouting(TypedDict):
     expert_rows_new_per_iteration: NotRequired[dict[str, list[int]]]
     """{iteration: [expert GEMM calls with a row count new to the EP rank's process, its expert GEMM calls]},
     every iteration, the busiest rank of each EP group (jobs since s9)."""
+    expert_gemm_heuristic_miss_share: NotRequired[float]
+    """Share of the measured iterations' expert GEMMs that miss a full cuBLASLt heuristics cache (an LRU replay
+    of each EP rank's row counts; the rank with the highest share; jobs since s9)."""
     dropped_calls: int
     """Calls not kept (the per-rank cap, entry/moe_routing.py MAX_COUNTS_PER_RANK)."""
     source: str
