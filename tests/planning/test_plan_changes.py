@@ -83,7 +83,8 @@ def test_speed_changes_each_make_a_distinct_plan_and_name_every_field_they_move(
 
 
 def test_uneven_moe_routing_is_offered_a_larger_cublaslt_cache_and_forced_routing_is_not():
-    from mcore_advisor.planning.plan_changes import CUBLASLT_CACHE_FIX, plan_changes as changes
+    from mcore_advisor.planning.plan_changes import CUBLASLT_CACHE_FIX
+    from mcore_advisor.planning.plan_changes import plan_changes as changes
     from mcore_advisor.schemas import with_changes
 
     moe = Plan(model={"name": "mixtral-8x7b"}, cluster={"gpu": "h100-sxm", "num_gpus": 64},
