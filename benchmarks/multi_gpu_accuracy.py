@@ -62,8 +62,8 @@ def main() -> None:
     lines += ["", "summary:"]
     for s in sorted({s for s, _ in scored}):
         lines += score([x for x in scored if x[0] == s], s)
-    probe = [x for x in scored if x[0] in ("gpu_h100x4_L", "gpu_h100x2_R", "gpu_h100x2_S", "gpu_h100x2_R2", "gpu_h100x4_M", "gpu_h200x4_C")]
-    lines += score(probe, "sets with the job's host probe (L, R, S, R2, M, C)")
+    probe = [x for x in scored if x[0] in ("gpu_h100x4_L", "gpu_h100x2_R", "gpu_h100x2_S", "gpu_h100x2_R2", "gpu_h100x4_M", "gpu_h200x4_C", "gpu_h100x4_C", "gpu_h100x4_V")]
+    lines += score(probe, "sets with the job's host probe (L, R, S, R2, M, C, V)")
     lines += score(scored, "every multi-GPU row")
     OUT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-30:]))

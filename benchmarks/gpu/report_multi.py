@@ -297,11 +297,13 @@ def table(runs: list[dict], pairs: list[dict], summ: dict, consts: dict, device:
         "## Multi-GPU rows", "", *run_table(runs), "",
         "## --fake-process-group (one GPU) vs the real run's rank", "", *fake_table(pairs), "",
         "## NCCL bus bandwidth (GB/s) on this machine", "",
-        "| op | " + " | ".join(f"{int(b) // 1024} KiB" for b in next(iter(v["busbw_gbps_by_bytes"] for k, v in nv.items()
-                                                                       if isinstance(v, dict) and "busbw_gbps_by_bytes" in v))) + " |",
     ]
     ops = [k for k, v in nv.items() if isinstance(v, dict) and "busbw_gbps_by_bytes" in v]
-    head.append("|---" * (1 + len(nv[ops[0]]["busbw_gbps_by_bytes"])) + "|")
+    if not ops:  # a lease's later calls carry no NCCL probe (it runs in the first)
+        head.append("(no NCCL probe among these calls)")
+    else:
+        head.append("| op | " + " | ".join(f"{int(b) // 1024} KiB" for b in nv[ops[0]]["busbw_gbps_by_bytes"]) + " |")
+        head.append("|---" * (1 + len(nv[ops[0]]["busbw_gbps_by_bytes"])) + "|")
     for op in ops:
         head.append(f"| {op} | " + " | ".join(str(x) for x in nv[op]["busbw_gbps_by_bytes"].values()) + " |")
     head += ["", "## Expert GEMM (SwiGLU fc1+fc2, fwd+bwd) rate over one dense GEMM pair on the same tokens (kernel probe, GPU 1)", "",

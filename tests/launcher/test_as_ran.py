@@ -104,9 +104,18 @@ def test_a_fake_process_group_run_is_predicted_with_the_mean_expert_load():
 
 def test_the_jobs_cublaslt_cache_and_measured_miss_share_are_what_gets_predicted():
     result = {**AS_RENDERED, "host": {"cublaslt_heuristics_cache_capacity": 0},
-              "moe_routing": {"expert_gemm_heuristic_miss_share": 0.62}}
+              "moe_routing": {"expert_gemm_heuristic_miss_share": 0.62, "heuristic_cache_row_counts": 0}}
     ran = as_ran(PLAN, result)
     assert ran.plan.implementation.cublaslt_heuristics_cache_capacity == 0
     assert ran.plan.implementation.moe_heuristic_miss_share == 0.62
     assert "cublaslt_heuristics_cache_capacity 0 (the job's environment)" in ran.differences
     assert as_ran(PLAN, AS_RENDERED).plan.implementation.cublaslt_heuristics_cache_capacity is None
+
+
+def test_a_miss_share_replayed_at_another_cache_than_the_run_had_is_not_used():
+    rec = {"expert_gemm_heuristic_miss_share": 0.8}  # the first s9 jobs: replayed at cuBLASLt's default
+    big = as_ran(PLAN, {**AS_RENDERED, "host": {"cublaslt_heuristics_cache_capacity": 65536}, "moe_routing": rec})
+    assert big.plan.implementation.moe_heuristic_miss_share is None  # the model's estimate at 65536 instead
+    same = {**rec, "heuristic_cache_row_counts": 65536 // 6}
+    ok = as_ran(PLAN, {**AS_RENDERED, "host": {"cublaslt_heuristics_cache_capacity": 65536}, "moe_routing": same})
+    assert ok.plan.implementation.moe_heuristic_miss_share == 0.8

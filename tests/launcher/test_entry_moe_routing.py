@@ -197,3 +197,18 @@ def test_a_cpu_moe_run_records_each_measured_router_call_of_each_rank(tmp_path):
     # both EP ranks together receive every routed token of a call
     assert sum(routing["tokens_per_ep_rank_mean"]) == pytest.approx(2 * 64 * 2 * 2)
     assert "memory_peak" not in r  # off unless MCORE_ADVISOR_MEMORY_PEAK=1 on CUDA
+
+
+def test_the_jobs_cache_size_in_row_counts_is_the_models():
+    from mcore_advisor.physics import moe
+
+    assert M.GEMMS_PER_ROW_COUNT == moe.EXPERT_GEMM_SHAPES
+    assert M.HEURISTIC_CACHE_ROW_COUNTS == moe.CUBLASLT_HEURISTICS_CACHE_KEYS // moe.EXPERT_GEMM_SHAPES
+
+
+def test_a_replay_at_another_cache_size_is_recorded_with_it():
+    calls = [[1, [3, 1, 2, 2], 1, False], [1, [4, 1, 2, 2], 2, True]]
+    s = M.summarize([_rank(0, calls), _rank(1, [[lay, [0, 0, 0, 0], it, m] for lay, _, it, m in calls])], cache_row_counts=1)
+    # EP rank 0 (experts 0-1): warm-up 3, then 1 evicts it; measured 4 evicts 1 (miss), 1 evicts 4 (miss) -> 2 of 2;
+    # EP rank 1: 2, 2 in warm-up and measured: hits
+    assert s["heuristic_cache_row_counts"] == 1 and s["expert_gemm_heuristic_miss_share"] == 1.0

@@ -114,3 +114,15 @@ def test_the_entry_writes_the_contracts_keys():
                "causal", "full"}
     assert written - contract - working == set(), "add these keys to launcher/entry/result.py"
     assert set(R.ProfileResult.__required_keys__) <= written
+
+
+def test_a_host_probe_summary_as_the_job_writes_it_meets_the_contract():
+    from mcore_advisor.launcher.entry import host_probe
+
+    one = {"ms_per_layer": 4.8, "statistic": "median", "mean_ms_per_layer": 5.0, "cpu_ms_per_layer": 2.4,
+           "gpu_ms_per_layer": 4.9, "per_iteration_ms": [4.7, 4.8, 5.5], "impl": "transformer_engine", "tokens": 128,
+           "iterations": 3}  # the keys of host_probe._measure's answer
+    host = {**_result()["host"], "probe": host_probe.summary([one, {**one, "ms_per_layer": 5.2}]),
+            "cublaslt_heuristics_cache_capacity": None}
+    assert R.check(_result(host=host)) == []
+    assert host["probe"]["ms_per_layer"] == 5.2  # the slowest rank

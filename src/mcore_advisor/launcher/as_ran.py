@@ -19,6 +19,7 @@ from typing import Any
 from mcore_advisor.knowledge import megatron_flags
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.memory import GIB, MemoryBreakdown, memory_breakdown
+from mcore_advisor.physics.moe import CUBLASLT_HEURISTICS_CACHE_KEYS, EXPERT_GEMM_SHAPES
 from mcore_advisor.physics.step_time import host_floor_from_probe
 from mcore_advisor.schemas import Plan, parallel_dims, with_changes
 
@@ -72,12 +73,24 @@ def _with_measured_routing(plan: Plan, result: Mapping[str, Any], diffs: list[st
         changes["moe_routing_imbalance"] = round(max(1.0, float(rec["rank_imbalance_mean"])), 4)
     if rec.get("expert_load_cv_mean") is not None and im.moe_expert_load_cv is None:
         changes["moe_expert_load_cv"] = round(float(rec["expert_load_cv_mean"]), 4)
-    if rec.get("expert_gemm_heuristic_miss_share") is not None and im.moe_heuristic_miss_share is None:
+    if _replayed_at_the_runs_cache(rec, result) and im.moe_heuristic_miss_share is None:
         changes["moe_heuristic_miss_share"] = round(float(rec["expert_gemm_heuristic_miss_share"]), 4)
     if not changes:
         return plan, diffs
     return (with_changes(plan, "implementation", **changes),
             diffs + [f"{k} {v:.3f} (the job's routing record)" for k, v in changes.items()])
+
+
+def _replayed_at_the_runs_cache(rec: Mapping[str, Any], result: Mapping[str, Any]) -> bool:
+    """Whether the routing record's miss share replayed the cache the job ran with: the first s9 jobs replayed
+    cuBLASLt's default whatever CUBLASLT_HEURISTICS_CACHE_CAPACITY said (and recorded no size)."""
+    if rec.get("expert_gemm_heuristic_miss_share") is None:
+        return False
+    capacity = (result.get("host") or {}).get("cublaslt_heuristics_cache_capacity")
+    default = capacity is None or capacity == CUBLASLT_HEURISTICS_CACHE_KEYS
+    replayed = rec.get("heuristic_cache_row_counts")
+    keys = CUBLASLT_HEURISTICS_CACHE_KEYS if capacity is None else capacity
+    return default if replayed is None else replayed == keys // EXPERT_GEMM_SHAPES
 
 
 def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -> AsRan:

@@ -160,8 +160,10 @@ def _group_calls(members: list[dict[str, Any]]) -> list[tuple[int, list[float], 
 
 
 #: cuBLASLt's heuristics cache in row counts: its default 8192 problems (CUBLASLT_HEURISTICS_CACHE_CAPACITY) over
-#: the six GEMM problems of one expert row count (physics.moe.CUBLASLT_HEURISTICS_CACHE_KEYS / EXPERT_GEMM_SHAPES)
-HEURISTIC_CACHE_ROW_COUNTS = 8192 // 6
+#: the six GEMM problems of one expert row count: physics.moe's CUBLASLT_HEURISTICS_CACHE_KEYS and
+#: EXPERT_GEMM_SHAPES (the job imports no numpy-side physics; tests/launcher/test_entry_moe_routing.py pins them equal)
+GEMMS_PER_ROW_COUNT = 6
+HEURISTIC_CACHE_ROW_COUNTS = 8192 // GEMMS_PER_ROW_COUNT
 
 
 def heuristic_misses(calls: list[tuple[int, list[float], int, bool]], num_local_experts: int,
@@ -223,7 +225,8 @@ def _call_figures(totals: list[float], num_local_experts: int) -> tuple[float, f
     return (max(ranks) / statistics.fmean(ranks), statistics.pstdev(totals) / mean, max(totals) / mean, ranks)
 
 
-def summarize(rows: list[dict[str, Any] | None], local_only: bool = False) -> dict[str, Any] | None:
+def summarize(rows: list[dict[str, Any] | None], local_only: bool = False,
+              cache_row_counts: int = HEURISTIC_CACHE_ROW_COUNTS) -> dict[str, Any] | None:
     """result["moe_routing"] from the ranks' `Recorder.report()` dicts (None entries: ranks without
     MoE); None when no rank recorded a router call. `local_only`: memory_at_scale, where one process
     plays one rank and the group's other ranks never ran (their share is missing from the sums)."""
@@ -242,7 +245,7 @@ def summarize(rows: list[dict[str, Any] | None], local_only: bool = False) -> di
     for members in groups.values():
         calls = _group_calls(members)
         warm_up_recorded = warm_up_recorded or any(not m for _, _, _, m in calls)
-        n_miss, n_calls = heuristic_misses(calls, members[0]["num_local_experts"])
+        n_miss, n_calls = heuristic_misses(calls, members[0]["num_local_experts"], cache_row_counts)
         if n_calls and (not misses[1] or n_miss / n_calls > misses[0] / misses[1]):
             misses = [n_miss, n_calls]
         for it, (n_new, n_all) in new_shapes(calls, members[0]["num_local_experts"]).items():
@@ -285,7 +288,7 @@ def summarize(rows: list[dict[str, Any] | None], local_only: bool = False) -> di
         "expert_rows_new_per_iteration": {str(k): v for k, v in sorted(fresh.items())},
         # the measured iterations' expert GEMMs whose row count missed cuBLASLt's heuristics cache (LRU replay from
         # the first iteration, the EP rank with the highest share); only where warm-up calls were recorded (s9 on)
-        **({"expert_gemm_heuristic_miss_share": misses[0] / misses[1]}
+        **({"expert_gemm_heuristic_miss_share": misses[0] / misses[1], "heuristic_cache_row_counts": cache_row_counts}
            if misses[1] and warm_up_recorded else {}),
         "dropped_calls": sum(r.get("dropped_calls", 0) for r in rows),
         "source": SOURCE + (" (memory_at_scale: this one rank's own routing, the group's other ranks did not run)"

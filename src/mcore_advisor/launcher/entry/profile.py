@@ -618,7 +618,9 @@ class Job:
     def _diagnostics(self, rows, args, result: dict[str, Any]) -> None:
         """result's moe_routing and memory_peak from the ranks' recorders; a fault is a note, never a failure."""
         try:
-            routing = _moe_routing.summarize([r["moe_routing"] for r in rows], local_only=self.mode == "memory_at_scale")
+            cache = _env_int("CUBLASLT_HEURISTICS_CACHE_CAPACITY")
+            routing = _moe_routing.summarize([r["moe_routing"] for r in rows], local_only=self.mode == "memory_at_scale",
+                                             **({} if cache is None else {"cache_row_counts": cache // _moe_routing.GEMMS_PER_ROW_COUNT}))
         except Exception as exc:
             routing = None
             self.notes.append(f"MoE routing summary failed: {type(exc).__name__}: {exc}"[:300])

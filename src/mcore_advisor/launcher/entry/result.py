@@ -45,6 +45,10 @@ class MegatronLines(TypedDict):
 class HostProbe(TypedDict, total=False):
     ms_per_layer: float
     """Host milliseconds to issue the reference layer's forward + backward (the slowest local rank)."""
+    statistic: str
+    """How ms_per_layer sums the probe's passes ('median' since s7)."""
+    mean_ms_per_layer: float
+    per_iteration_ms: list[float]
     cpu_ms_per_layer: float
     gpu_ms_per_layer: float
     impl: str
@@ -125,6 +129,9 @@ class MoeRouting(TypedDict):
     expert_rows_new_per_iteration: NotRequired[dict[str, list[int]]]
     """{iteration: [expert GEMM calls with a row count new to the EP rank's process, its expert GEMM calls]},
     every iteration, the busiest rank of each EP group (jobs since s9)."""
+    heuristic_cache_row_counts: NotRequired[int]
+    """The LRU's size in row counts the replay used: the job's CUBLASLT_HEURISTICS_CACHE_CAPACITY (or cuBLASLt's
+    default 8192) over six problems per count (jobs since s9, after the V set)."""
     expert_gemm_heuristic_miss_share: NotRequired[float]
     """Share of the measured iterations' expert GEMMs that miss a full cuBLASLt heuristics cache (an LRU replay
     of each EP rank's row counts; the rank with the highest share; jobs since s9)."""
