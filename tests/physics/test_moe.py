@@ -275,3 +275,16 @@ def test_a_measured_miss_share_or_cache_size_changes_the_expert_host_launches_by
     uneven = {"moe_router_force_load_balancing": False}
     t = [step_time(_plan(impl={**uneven, "cublaslt_heuristics_cache_capacity": cap})).iteration_time_s for cap in (0, None, 65536)]
     assert t[0] > t[1] >= t[2]
+
+
+def test_forward_misses_stall_the_gpu_where_a_query_outlasts_one_experts_gemm():
+    # TE's grouped GEMM asks the heuristic for each expert right before launching its GEMM, after the
+    # dispatcher's sync: the GPU idles for whatever part of a query the previous expert's GEMM does not cover
+    kit = stm._moe_kit()
+    c, _ = _ctx(_plan(impl={"moe_heuristic_miss_share": 1.0}))
+    ex = moe.experts(c, kit)
+    query = moe.HEURISTIC_QUERY_REF_LAYERS * stm.hardware_params(_plan().cluster).host_floor_s_per_layer
+    per_gemm = float(ex["gemm_f"][0]) / (2 * 8)  # 8 local experts, fc1 and fc2
+    assert float(ex["miss_wait_f"][0]) == pytest.approx(2 * 8 * max(0.0, query - per_gemm), rel=1e-9)
+    none, _ = _ctx(_plan(impl={"moe_heuristic_miss_share": 0.0}))
+    assert float(moe.experts(none, kit)["miss_wait_f"][0]) == 0.0

@@ -208,11 +208,11 @@ def _lru_miss_share(mean: int, cv_milli: int, capacity: int) -> float:
     return float(width * np.sum(p * np.exp(-p * lo)))
 
 
-def _quantized(mean: float) -> int:
-    """The mean load on a 2% log grid (the miss share is smooth in it): a search's layouts share cache entries."""
-    if mean <= 64:
-        return int(round(mean))
-    return int(round(math.exp(round(math.log(mean) / 0.02) * 0.02)))
+def _quantized(mean: np.ndarray) -> np.ndarray:
+    """The mean loads on a 2% log grid above 64 rows (the miss share is smooth in them): a search's thousands of
+    layouts share a few cache entries."""
+    grid = np.rint(np.exp(np.rint(np.log(np.maximum(mean, 1.0)) / 0.02) * 0.02))
+    return np.where(mean <= 64, np.rint(mean), grid).astype(np.int64)
 
 
 def heuristic_miss_share(mean_rows, cv: float, capacity_keys: int = CUBLASLT_HEURISTICS_CACHE_KEYS) -> np.ndarray:
@@ -226,8 +226,9 @@ def heuristic_miss_share(mean_rows, cv: float, capacity_keys: int = CUBLASLT_HEU
     run; a profile job records its own iterations' share (launcher/entry/moe_routing.py heuristic_misses)."""
     cap = int(capacity_keys // EXPERT_GEMM_SHAPES)
     flat = np.atleast_1d(np.asarray(mean_rows, dtype=np.float64))
-    out = np.array([_lru_miss_share(_quantized(m), int(round(1000 * cv)), cap) for m in flat.reshape(-1)])
-    return out.reshape(np.shape(mean_rows))
+    keys, where = np.unique(_quantized(flat), return_inverse=True)
+    shares = np.array([_lru_miss_share(int(k), int(round(1000 * cv)), cap) for k in keys])
+    return shares[where].reshape(np.shape(mean_rows))
 
 
 def _expected_max_normal(n) -> np.ndarray:
@@ -384,8 +385,16 @@ def experts(c, kit: MoeKit) -> dict:
     miss = local * share
     q_f, q_b = kit.ref_units
     # a miss costs HEURISTIC_QUERY_REF_LAYERS of the host's reference layer: fc1, fc2 forward; 4 GEMMs backward
+    # forward: each expert's GEMM waits for its own heuristic query (asked right before its launch, after the
+    # dispatcher's sync): the GPU idles where a query outlasts the previous expert's GEMM, whatever the layer's
+    # host total (trace, s9 C_moe64top8_ep4_alltoall step 3: 179 of the 279 ms the GPU idled fell inside the
+    # forward _GroupedLinear; none inside its backward, whose host runs ahead of the GPU)
+    query_s = HEURISTIC_QUERY_REF_LAYERS * q_f * c.host_f
+    per_gemm_f = (fc1[0] + fc2[0]) / (2.0 * groups)  # one expert's fc1 or fc2, forward
+    miss_wait_f = 2.0 * miss * np.maximum(0.0, query_s - per_gemm_f)
     return {"gemm_f": n * (fc1[0] + fc2[0]), "gemm_b": n * (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
             "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "heuristic_misses": miss,
+            "miss_wait_f": miss_wait_f,
             "kernels": (fix_f + per_f * local + 2.0 * miss * HEURISTIC_QUERY_REF_LAYERS * q_f,
                         fix_b + per_b * local + 4.0 * miss * HEURISTIC_QUERY_REF_LAYERS * q_b)}
 
@@ -555,6 +564,7 @@ def moe_layer(c, L, kit: MoeKit) -> dict:
         "moe_parts": times,
         # GPU idle per micro-batch after the dispatcher's host sync (forward), not hidden by queued work
         "sync_wait_f": sync_wait,
+        "miss_wait_f": ex["miss_wait_f"],
     }
 
 

@@ -1194,6 +1194,9 @@ def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
     # The host launches a layer's kernels one by one (Python, Megatron-Core, TE, the CUDA launch); a
     # layer whose GPU work takes less than that leaves the GPU waiting (HOST_FORWARD_SHARE).
     host_gap = np.maximum(0.0, c.host_f * k_f + c.host_b * k_b - t_layer_gpu)
+    # an MoE layer's forward heuristic-cache misses stall the GPU even where the layer's host total hides
+    miss_wait = sum(w * p.get("miss_wait_f", 0.0) for p, w, _ in kinds)
+    host_gap = np.maximum(host_gap, miss_wait)
     return _LayerAverage(comp, lay_f, lay_b, lay_rc, host_gap, t_layer_gpu + host_gap, k_f + k_b)
 
 
