@@ -288,3 +288,23 @@ def test_forward_misses_stall_the_gpu_where_a_query_outlasts_one_experts_gemm():
     assert float(ex["miss_wait_f"][0]) == pytest.approx(2 * 8 * max(0.0, query - per_gemm), rel=1e-9)
     none, _ = _ctx(_plan(impl={"moe_heuristic_miss_share": 0.0}))
     assert float(moe.experts(none, kit)["miss_wait_f"][0]) == 0.0
+
+
+def test_evaluate_warns_when_uneven_fine_grained_experts_thrash_the_cublaslt_cache():
+    from mcore_advisor.physics.evaluate import evaluate_plan
+
+    # the C rows' 64-expert model (hidden 2048, top-8, 1,408 wide) on EP4, routed as an untrained router does
+    e64 = {**MOE8, "num_layers": 8, "hidden_size": 2048, "num_attention_heads": 16, "num_query_groups": 4,
+           "ffn_hidden_size": 5632, "num_experts": 64, "moe_router_topk": 8, "moe_ffn_hidden_size": 1408}
+    plan = Plan(model=e64, cluster={"gpu": "h100-sxm", "num_gpus": 4},
+                training={"seq_length": 4096, "global_batch_size": 32, "micro_batch_size": 4},
+                parallelism={"expert_model_parallel_size": 4}, implementation={"moe_grouped_gemm": True})
+    ev = evaluate_plan(plan)
+    share = ev.performance.moe_expert_gemm_miss_share
+    assert share == pytest.approx(float(moe.heuristic_miss_share(16384 * 8 * 4 / 64, moe.UNTRAINED_EXPERT_LOAD_CV)), rel=0.05)
+    found = [f for f in ev.findings if f.code == "expert_gemm_cache_thrash"]
+    assert found and found[0].fields == ["implementation.cublaslt_heuristics_cache_capacity"]
+    for fix in ({"moe_router_force_load_balancing": True}, {"cublaslt_heuristics_cache_capacity": 65536}):
+        fixed = evaluate_plan(with_changes(plan, "implementation", **fix))
+        assert not [f for f in fixed.findings if f.code == "expert_gemm_cache_thrash"]
+    assert evaluate_plan(_plan()).performance.moe_expert_gemm_miss_share == 0.0  # forced routing, 8 experts

@@ -393,7 +393,7 @@ def experts(c, kit: MoeKit) -> dict:
     per_gemm_f = (fc1[0] + fc2[0]) / (2.0 * groups)  # one expert's fc1 or fc2, forward
     miss_wait_f = 2.0 * miss * np.maximum(0.0, query_s - per_gemm_f)
     return {"gemm_f": n * (fc1[0] + fc2[0]), "gemm_b": n * (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
-            "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "heuristic_misses": miss,
+            "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "heuristic_misses": miss, "miss_share": share,
             "miss_wait_f": miss_wait_f,
             "kernels": (fix_f + per_f * local + 2.0 * miss * HEURISTIC_QUERY_REF_LAYERS * q_f,
                         fix_b + per_b * local + 4.0 * miss * HEURISTIC_QUERY_REF_LAYERS * q_b)}
@@ -565,6 +565,7 @@ def moe_layer(c, L, kit: MoeKit) -> dict:
         # GPU idle per micro-batch after the dispatcher's host sync (forward), not hidden by queued work
         "sync_wait_f": sync_wait,
         "miss_wait_f": ex["miss_wait_f"],
+        "miss_share": ex["miss_share"],
     }
 
 

@@ -451,6 +451,7 @@ class PerfEstimate(BaseModel):
     host_bound: bool = Field(False, description=f"True when the GPU is predicted to wait for the host (breakdown.host_bound_s) for at least {HOST_BOUND_FLAG:.0%} of the step: the step then follows the host's speed (more variable from one step to the next) more than the GPU's.")
     moe_layer_parts_s: dict[str, float] | None = Field(None, description="MoE models: seconds of each part of one MoE layer and micro-batch on the slowest GPU (physics.moe: router, permute, experts, shared_experts, dispatch = EP/ETP communication, host_wait = the GPU's wait for the host to launch the layer's kernels beyond the layer's GPU work), forward + backward.")
     moe_dominant_part: str | None = Field(None, description="MoE models: the largest of moe_layer_parts_s.")
+    moe_expert_gemm_miss_share: float | None = Field(None, description="MoE models: share of the routed experts' GEMMs whose shape (the expert's token count) misses cuBLASLt's heuristics cache and pays a heuristic query on the host (physics.moe.heuristic_miss_share: measured, or the steady state of the routing's spread).")
     assumptions: list[str] = Field(description="How plan choices were timed (kernel paths, overlap).")
 
 
@@ -1543,18 +1544,21 @@ def step_time(plan: Plan, shape: ModelShape | None = None) -> PerfEstimate:
         hfu_bf16_causal_pct=100 * tf(hf_c) / peak,
         hfu_bf16_full_pct=100 * tf(hf_f) / peak,
         host_bound=breakdown.host_bound_s >= HOST_BOUND_FLAG * it,
-        moe_layer_parts_s=(moe_parts := _moe_summary(plan, shape, hw)),
+        moe_layer_parts_s=(moe_parts := (moe_view := _moe_summary(plan, shape, hw))[0]),
         moe_dominant_part=dominant_part(moe_parts)[0] if moe_parts else None,
+        moe_expert_gemm_miss_share=moe_view[1],
         assumptions=_assumptions(plan, hw) + _moe_assumptions(moe_parts),
     )
 
 
-def _moe_summary(plan: Plan, shape: ModelShape, hw: HardwareParams) -> dict[str, float] | None:
-    """The parts of one MoE layer and micro-batch (physics.moe.moe_part_times), one row."""
+def _moe_summary(plan: Plan, shape: ModelShape, hw: HardwareParams) -> tuple[dict[str, float] | None, float | None]:
+    """(the parts of one MoE layer and micro-batch (physics.moe.moe_part_times), its expert GEMMs' heuristic-cache
+    miss share), one row; (None, None) without MoE."""
     if not shape.is_moe:
-        return None
+        return None, None
     c = _context(LayoutBatch.from_plan(plan, shape), hw, plan.training.precision == "fp8")
-    return {k: _f(v) for k, v in _moe_layer(c, _dense_layer(c))["moe_parts"].items()}
+    layer = _moe_layer(c, _dense_layer(c))
+    return {k: _f(v) for k, v in layer["moe_parts"].items()}, _f(layer["miss_share"])
 
 
 def _moe_assumptions(parts: dict[str, float] | None) -> list[str]:
