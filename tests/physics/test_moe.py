@@ -246,17 +246,13 @@ def test_heuristic_misses_need_more_row_counts_than_the_cache_holds():
 
 
 def test_che_approximation_on_an_even_spread_misses_one_minus_capacity_over_counts():
-    # uniform over N counts with an LRU of C: sum_i (1 - exp(-T/N)) = C -> miss = exp(-T/N) = 1 - C/N.
-    # A gamma law with a tiny spread around a huge mean is near-uniform over its central counts: compare the
-    # private solver on an explicit uniform law instead
+    # uniform over N counts with an LRU of C: sum_i (1 - exp(-T/N)) = C -> miss = exp(-T/N) = 1 - C/N
     import numpy as np
 
-    p = np.full(4000, 1 / 4000)
-    lo, hi = 1.0, 1e15
-    for _ in range(80):
-        t = (lo * hi) ** 0.5
-        lo, hi = (lo, t) if np.sum(-np.expm1(-p * t)) > 1000 else (t, hi)
-    assert float(np.sum(p * np.exp(-p * lo))) == pytest.approx(1 - 1000 / 4000, rel=1e-6)
+    assert moe.che_miss_share(np.full(4000, 1 / 4000), 1.0, 1000) == pytest.approx(1 - 1000 / 4000, rel=1e-6)
+    # the same law in 400 bins of 10 counts each
+    assert moe.che_miss_share(np.full(400, 1 / 4000), 10.0, 1000) == pytest.approx(1 - 1000 / 4000, rel=1e-6)
+    assert moe.che_miss_share(np.full(400, 1 / 4000), 10.0, 4000) == 0.0  # every count fits
 
 
 def test_a_measured_miss_share_or_cache_size_changes_the_expert_host_launches_by_the_query_cost():

@@ -19,7 +19,7 @@ from typing import Any
 from mcore_advisor.knowledge import megatron_flags
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.memory import GIB, MemoryBreakdown, memory_breakdown
-from mcore_advisor.physics.moe import CUBLASLT_HEURISTICS_CACHE_KEYS, EXPERT_GEMM_SHAPES
+from mcore_advisor.physics.moe import CUBLASLT_HEURISTICS_CACHE_KEYS, cache_row_counts
 from mcore_advisor.physics.step_time import host_floor_from_probe
 from mcore_advisor.schemas import Plan, parallel_dims, with_changes
 
@@ -87,10 +87,10 @@ def _replayed_at_the_runs_cache(rec: Mapping[str, Any], result: Mapping[str, Any
     if rec.get("expert_gemm_heuristic_miss_share") is None:
         return False
     capacity = (result.get("host") or {}).get("cublaslt_heuristics_cache_capacity")
-    default = capacity is None or capacity == CUBLASLT_HEURISTICS_CACHE_KEYS
     replayed = rec.get("heuristic_cache_row_counts")
-    keys = CUBLASLT_HEURISTICS_CACHE_KEYS if capacity is None else capacity
-    return default if replayed is None else replayed == keys // EXPERT_GEMM_SHAPES
+    if replayed is None:
+        return capacity is None or capacity == CUBLASLT_HEURISTICS_CACHE_KEYS
+    return replayed == cache_row_counts(capacity)
 
 
 def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -> AsRan:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.memory import MemoryBreakdown, memory_breakdown
+from mcore_advisor.physics.moe import CUBLASLT_CACHE_FIX
 from mcore_advisor.physics.step_time import PerfEstimate, step_time
 from mcore_advisor.schemas import Finding, ModelShape, Plan, parallel_dims
 from mcore_advisor.validators import validate
@@ -167,7 +168,8 @@ def expert_cache_findings(perf: PerfEstimate) -> list[Finding]:
                  "each expert's token count is a GEMM shape, uneven routing makes thousands of them, and each miss is a "
                  "host heuristic query before that expert's GEMM (64 experts top-8 on 4 x H200: 0.735 s per step, "
                  "0.656 s with a larger cache)"),
-        fix="implementation.cublaslt_heuristics_cache_capacity 65536 (environment variable CUBLASLT_HEURISTICS_CACHE_CAPACITY)",
+        fix=f"implementation.cublaslt_heuristics_cache_capacity {CUBLASLT_CACHE_FIX} (environment variable "
+            "CUBLASLT_HEURISTICS_CACHE_CAPACITY)",
     )]
 
 

@@ -158,6 +158,10 @@ this many problems (NVIDIA cuBLAS documentation, heuristics cache: default capac
 CUBLASLT_HEURISTICS_CACHE_CAPACITY; 0 turns it off). Transformer Engine's GEMMs (the grouped experts' one per
 expert, Linear's) and torch's go through it."""
 
+CUBLASLT_CACHE_FIX = 65536
+"""The cache size offered for uneven expert row counts (plan_changes, evaluate_plan's warning): 8x the default,
+what took 64 experts top-8 on 4 x H200 from 0.735 to 0.656 s per step (benchmarks/results/gpu_h200x4_C_runs.jsonl)."""
+
 EXPERT_GEMM_SHAPES = 6
 """cuBLASLt problems per expert row count: fc1 and fc2 forward, each one's dgrad and wgrad (the row count is M
 of four and K of the two wgrads; the other dimensions are the layer's, alike for every expert and layer)."""
@@ -199,6 +203,12 @@ def _lru_miss_share(mean: int, cv_milli: int, capacity: int) -> float:
     if capacity <= 0:
         return 1.0
     p, width = _row_count_bins(float(max(mean, 1)), cv_milli / 1000.0)
+    return che_miss_share(p, width, capacity)
+
+
+def che_miss_share(p: np.ndarray, width: float, capacity: int) -> float:
+    """Steady-state miss share of an LRU cache of `capacity` items under independent draws, each of the `width`
+    items of bin i drawn with probability p[i] (Che's approximation); 0 where the items fit."""
     if width * np.count_nonzero(p > 1e-9) <= capacity:
         return 0.0
     lo, hi = 1.0, 1e15
@@ -215,7 +225,12 @@ def _quantized(mean: np.ndarray) -> np.ndarray:
     return np.where(mean <= 64, np.rint(mean), grid).astype(np.int64)
 
 
-def heuristic_miss_share(mean_rows, cv: float, capacity_keys: int = CUBLASLT_HEURISTICS_CACHE_KEYS) -> np.ndarray:
+def cache_row_counts(capacity_keys: int | None) -> int:
+    """Row counts cuBLASLt's heuristics cache holds: its problems (None: the default) over EXPERT_GEMM_SHAPES."""
+    return int((CUBLASLT_HEURISTICS_CACHE_KEYS if capacity_keys is None else capacity_keys) // EXPERT_GEMM_SHAPES)
+
+
+def heuristic_miss_share(mean_rows, cv: float, capacity_keys: int | None = None) -> np.ndarray:
     """Share of expert GEMMs whose problem is not in cuBLASLt's heuristics cache, per layout (`mean_rows`: the
     rows each local expert runs per call, array). An EP rank's process meets one row count per expert and call;
     while the counts it meets recur within the cache's reach they hit; fine-grained experts routed unevenly
@@ -224,7 +239,7 @@ def heuristic_miss_share(mean_rows, cv: float, capacity_keys: int = CUBLASLT_HEU
     CUBLASLT_HEURISTICS_CACHE_CAPACITY=65536, 0.646 routed evenly: benchmarks/results/gpu_h200x4_C_runs.jsonl).
     Steady state: the counts met for the first time in a run's early iterations, misses too, vanish over a long
     run; a profile job records its own iterations' share (launcher/entry/moe_routing.py heuristic_misses)."""
-    cap = int(capacity_keys // EXPERT_GEMM_SHAPES)
+    cap = cache_row_counts(capacity_keys)
     flat = np.atleast_1d(np.asarray(mean_rows, dtype=np.float64))
     keys, where = np.unique(_quantized(flat), return_inverse=True)
     shares = np.array([_lru_miss_share(int(k), int(round(1000 * cv)), cap) for k in keys])
@@ -380,23 +395,20 @@ def experts(c, kit: MoeKit) -> dict:
     per_f, per_b = PER_EXPERT_HOST_KERNELS[bool(grouped)]
     fix_f, fix_b = GROUPED_EXPERTS_HOST_KERNELS if grouped else (0.0, 0.0)
     share = (impl.moe_miss_share if impl.moe_miss_share is not None
-             else heuristic_miss_share(M_e, expert_load_cv(impl.moe_force_balanced, impl.moe_expert_cv),
-                                       CUBLASLT_HEURISTICS_CACHE_KEYS if impl.cublaslt_cache is None else impl.cublaslt_cache))
+             else heuristic_miss_share(M_e, expert_load_cv(impl.moe_force_balanced, impl.moe_expert_cv), impl.cublaslt_cache))
     miss = local * share
-    q_f, q_b = kit.ref_units
+    query_f, query_b = (HEURISTIC_QUERY_REF_LAYERS * q for q in kit.ref_units)  # one query in host units
     # a miss costs HEURISTIC_QUERY_REF_LAYERS of the host's reference layer: fc1, fc2 forward; 4 GEMMs backward
     # forward: each expert's GEMM waits for its own heuristic query (asked right before its launch, after the
     # dispatcher's sync): the GPU idles where a query outlasts the previous expert's GEMM, whatever the layer's
     # host total (trace, s9 C_moe64top8_ep4_alltoall step 3: 179 of the 279 ms the GPU idled fell inside the
     # forward _GroupedLinear; none inside its backward, whose host runs ahead of the GPU)
-    query_s = HEURISTIC_QUERY_REF_LAYERS * q_f * c.host_f
+    query_s = query_f * c.host_f
     per_gemm_f = (fc1[0] + fc2[0]) / (2.0 * groups)  # one expert's fc1 or fc2, forward
     miss_wait_f = 2.0 * miss * np.maximum(0.0, query_s - per_gemm_f)
     return {"gemm_f": n * (fc1[0] + fc2[0]), "gemm_b": n * (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
-            "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "heuristic_misses": miss, "miss_share": share,
-            "miss_wait_f": miss_wait_f,
-            "kernels": (fix_f + per_f * local + 2.0 * miss * HEURISTIC_QUERY_REF_LAYERS * q_f,
-                        fix_b + per_b * local + 4.0 * miss * HEURISTIC_QUERY_REF_LAYERS * q_b)}
+            "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "miss_share": share, "miss_wait_f": miss_wait_f,
+            "kernels": (fix_f + per_f * local + 2.0 * miss * query_f, fix_b + per_b * local + 4.0 * miss * query_b)}
 
 
 def shared_experts(c, kit: MoeKit) -> dict:
@@ -577,7 +589,7 @@ def dominant_part(times: dict) -> tuple[str, float]:
     return name, (vals[name] / total if total > 0 else 0.0)
 
 
-__all__ = ["MoeKit", "heuristic_miss_share", "attention_part_kernels", "dispatch_s", "dispatcher_kernels", "dominant_part", "experts",
+__all__ = ["MoeKit", "cache_row_counts", "che_miss_share", "heuristic_miss_share", "attention_part_kernels", "dispatch_s", "dispatcher_kernels", "dominant_part", "experts",
            "host_kernels", "host_pieces", "host_syncs_per_layer", "moe_layer", "moe_part_times", "moe_parts", "permute",
            "post_sync_kernels_f", "router", "busiest_rank_load", "expert_load_cv", "routing_imbalance",
            "shared_experts", "tokens_per_expert"]

@@ -20,6 +20,7 @@ from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.megatron_flags import FULL_RECOMPUTE_DEFAULT
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.memory import MemoryBreakdown, memory_breakdown
+from mcore_advisor.physics.moe import CUBLASLT_CACHE_FIX
 from mcore_advisor.physics.step_time import hardware_params
 from mcore_advisor.schemas import ModelShape, ParallelDims, Plan, parallel_dims, with_changes
 from mcore_advisor.validators import errors, validate
@@ -215,11 +216,6 @@ def _data_parallel(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
         yield _change(c, P, "hides the gradient reduction behind the backward", overlap_grad_reduce=True)
     if purpose == "speed" and not p.overlap_param_gather and p.use_distributed_optimizer:
         yield _change(c, P, "hides the parameter all-gather behind the forward", overlap_param_gather=True)
-
-
-#: the cache size offered for uneven expert row counts: 8x cuBLASLt's default, what took 64 experts top-8 on 4 x H200
-#: from 0.735 to 0.656 s per step (benchmarks/results/gpu_h200x4_C_runs.jsonl)
-CUBLASLT_CACHE_FIX = 65536
 
 
 def _context_and_experts(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:

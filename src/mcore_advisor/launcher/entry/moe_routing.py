@@ -166,6 +166,13 @@ GEMMS_PER_ROW_COUNT = 6
 HEURISTIC_CACHE_ROW_COUNTS = 8192 // GEMMS_PER_ROW_COUNT
 
 
+def _rank_rows(totals: list[float], rank: int, num_local_experts: int) -> list[int]:
+    """The row counts of EP rank `rank`'s experts in one call (its contiguous block), experts without a token
+    (no GEMM) left out."""
+    block = totals[rank * num_local_experts:(rank + 1) * num_local_experts]
+    return [r for r in (round(t) for t in block) if r > 0]
+
+
 def heuristic_misses(calls: list[tuple[int, list[float], int, bool]], num_local_experts: int,
                      capacity: int = HEURISTIC_CACHE_ROW_COUNTS) -> tuple[int, int]:
     """(expert GEMM calls of the measured iterations whose row count is not in an LRU cache of `capacity` row
@@ -180,9 +187,7 @@ def heuristic_misses(calls: list[tuple[int, list[float], int, bool]], num_local_
         lru: OrderedDict[int, None] = OrderedDict()
         missed = total = 0
         for _, totals, _, measured in calls:
-            for r in (round(t) for t in totals[j * num_local_experts:(j + 1) * num_local_experts]):
-                if r <= 0:
-                    continue
+            for r in _rank_rows(totals, j, num_local_experts):
                 total += measured
                 if r in lru:
                     lru.move_to_end(r)
@@ -207,7 +212,7 @@ def new_shapes(calls: list[tuple[int, list[float], int, bool]], num_local_expert
         seen: set[int] = set()
         tally: dict[int, list[int]] = {}
         for _, totals, it, _ in calls:
-            rows = [round(t) for t in totals[j * num_local_experts:(j + 1) * num_local_experts] if round(t) > 0]
+            rows = _rank_rows(totals, j, num_local_experts)
             fresh = [r for r in rows if r not in seen]
             seen.update(rows)
             t = tally.setdefault(it, [0, 0])
