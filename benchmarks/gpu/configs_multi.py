@@ -431,20 +431,59 @@ def validate_spec_lines() -> list[dict]:
              "spec": job_spec(p, **RUN_V)} for name, p, n in validate_rows()]
 
 
+#: the eighth set (session s10): Megatron-LM without Transformer Engine (--transformer-impl local: torch
+#: norms, unfused attention, SequentialMLP experts), a regime no earlier lease ran on several GPUs; predicted at
+#: the snapshot's commit before they ran. No host probe binds (as_ran reads only a TE probe): the plans run on
+#: the GPU catalog's host figure, as a user's would. Sequence 2048 keeps the unfused s x s scores in memory.
+RUN_N = {"warmup_steps": 1, "measure_steps": 6, "profile_steps": (3, 3)}
+
+
+def local_rows() -> list[tuple[str, Plan, int]]:
+    local = {"transformer_impl": "local", **NO_MASK}
+    m = LLAMA_L
+    tp4, tp2 = {"tensor_model_parallel_size": 4}, {"tensor_model_parallel_size": 2}
+    pp4 = {"pipeline_model_parallel_size": 4}
+    ep4, ep2 = {"expert_model_parallel_size": 4}, {"expert_model_parallel_size": 2}
+    a2a, ag = {**local, "moe_token_dispatcher_type": "alltoall"}, {**local, "moe_token_dispatcher_type": "allgather"}
+    return [
+        ("N_tp4", plan(m, 4, seq=2048, gbs=32, mbs=8, par=tp4, impl=local), 4),
+        ("N_dp4_distopt_overlap", plan(m, 4, seq=2048, gbs=32, mbs=2, impl=local), 4),
+        ("N_moe8top2_ep4_alltoall", plan(MOE8_L, 4, seq=2048, gbs=32, mbs=4, par=ep4, impl=a2a), 4),
+        ("N_pp4_vp2", plan(m, 4, seq=2048, gbs=16, mbs=2, par={**pp4, "virtual_pipeline_model_parallel_size": 2}, impl=local), 4),
+        ("N_moe64top8_ep4_alltoall", plan(MOE64_L, 4, seq=2048, gbs=32, mbs=4, par=ep4, impl=a2a), 4),
+        ("N_tp2_dp2", plan(m, 4, seq=2048, gbs=32, mbs=4, par=tp2, impl=local), 4),
+        ("N_pp4", plan(m, 4, seq=2048, gbs=16, mbs=2, par=pp4, impl=local), 4),
+        ("N_dp4_ddp_nooverlap", plan(m, 4, seq=2048, gbs=32, mbs=2, par=NO_DP_OVERLAP, impl=local), 4),
+        ("N_moe8top2_ep4_allgather", plan(MOE8_L, 4, seq=2048, gbs=32, mbs=4, par=ep4, impl=ag), 4),
+        ("N_tp2", plan(m, 2, seq=2048, gbs=16, mbs=8, par=tp2, impl=local), 2),
+        ("N_moe8top2_ep2_alltoall", plan(MOE8_L, 2, seq=2048, gbs=16, mbs=4, par=ep2, impl=a2a), 2),
+        ("N_pp2_vp2", plan(m, 2, seq=2048, gbs=16, mbs=2, par={"pipeline_model_parallel_size": 2,
+                                                             "virtual_pipeline_model_parallel_size": 2}, impl=local), 2),
+        ("N_moe16top2_ep2_allgather", plan(MOE16_L, 2, seq=2048, gbs=16, mbs=4, par=ep2, impl=ag), 2),
+    ]
+
+
+def local_spec_lines() -> list[dict]:
+    return [{"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": False,
+             "spec": job_spec(p, **RUN_N)} for name, p, n in local_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
                          "mask: the M_* plans (with and without the data loader's attention mask); "
                          "cache: the C_* plans (expert GEMM shapes and cuBLASLt's heuristics cache); "
-                         "validate: the V_* plans (MoE shapes predicted before they ran)")
+                         "validate: the V_* plans (MoE shapes predicted before they ran); "
+                         "local: the N_* plans (Megatron-LM without Transformer Engine)")
     a = ap.parse_args(argv)
     lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
-             "mask": mask_spec_lines, "cache": cache_spec_lines, "validate": validate_spec_lines}.get(
+             "mask": mask_spec_lines, "cache": cache_spec_lines, "validate": validate_spec_lines,
+             "local": local_spec_lines}.get(
         a.set, lambda: spec_lines(a.gpus))()
     Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"wrote {len(lines)} runs ({sum(x['nproc'] == a.gpus for x in lines)} on {a.gpus} GPUs) to {a.out}")
