@@ -273,6 +273,24 @@ def test_a_measured_miss_share_or_cache_size_changes_the_expert_host_launches_by
     assert t[0] > t[1] >= t[2]
 
 
+def test_a_miss_costs_the_torch_query_where_megatrons_own_linears_issue_the_expert_gemms():
+    # the local spec's SequentialMLP runs torch's aten::mm through cuBLAS: 0.31 ms a new shape in the s10 traces,
+    # against Transformer Engine's 0.135 ms; the launches without a miss are the SequentialMLP's either way
+    kit = stm._moe_kit()
+    q_f, q_b = stm._ref_units()
+    local = {"transformer_impl": "local"}
+    even, _ = _ctx(_plan(impl={**local, "moe_heuristic_miss_share": 0.0}))
+    all_miss, _ = _ctx(_plan(impl={**local, "moe_heuristic_miss_share": 1.0}))
+    k0, k1 = moe.experts(even, kit)["kernels"], moe.experts(all_miss, kit)["kernels"]
+    assert float((k1[0] - k0[0])[0]) == pytest.approx(8 * 2 * moe.HEURISTIC_QUERY_TORCH_REF_LAYERS * q_f)
+    assert float((k1[1] - k0[1])[0]) == pytest.approx(8 * 4 * moe.HEURISTIC_QUERY_TORCH_REF_LAYERS * q_b)
+    assert moe.HEURISTIC_QUERY_TORCH_REF_LAYERS * 5.5 == pytest.approx(0.31, abs=0.005)  # ms at the catalog's host
+    te_miss, _ = _ctx(_plan(impl={"moe_heuristic_miss_share": 1.0, "moe_grouped_gemm": False}))
+    te_even, _ = _ctx(_plan(impl={"moe_heuristic_miss_share": 0.0, "moe_grouped_gemm": False}))
+    te_gap = float((moe.experts(te_miss, kit)["kernels"][0] - moe.experts(te_even, kit)["kernels"][0])[0])
+    assert te_gap == pytest.approx(8 * 2 * moe.HEURISTIC_QUERY_REF_LAYERS * q_f)
+
+
 def test_forward_misses_stall_the_gpu_where_a_query_outlasts_one_experts_gemm():
     # TE's grouped GEMM asks the heuristic for each expert right before launching its GEMM, after the
     # dispatcher's sync: the GPU idles for whatever part of a query the previous expert's GEMM does not cover

@@ -290,3 +290,23 @@ def test_optimizer_state_dtypes_without_the_precision_aware_optimizer_are_ignore
     assert f.severity == "warning" and "fp32 moments" in f.message
     p = kit.plan(implementation={"exp_avg_dtype": "bf16", "use_precision_aware_optimizer": True})
     assert "optimizer_state_dtype_ignored" not in kit.codes(p)
+
+
+def test_local_spec_with_apex_fusions_on_says_which_to_turn_off_without_apex(kit):
+    f = kit.one(kit.plan(implementation={"transformer_impl": "local"}), "local_spec_fusions_need_apex")
+    assert f.severity == "info"
+    assert f.fields == [IMPL, "implementation.gradient_accumulation_fusion", "implementation.masked_softmax_fusion"]
+    assert "Apex" in f.message and "gradient_accumulation_fusion false" in f.fix and "masked_softmax_fusion false" in f.fix
+    only_softmax = kit.one(kit.plan(implementation={"transformer_impl": "local", "gradient_accumulation_fusion": False}),
+                           "local_spec_fusions_need_apex")
+    assert only_softmax.fields == [IMPL, "implementation.masked_softmax_fusion"]
+    off = {"transformer_impl": "local", "gradient_accumulation_fusion": False, "masked_softmax_fusion": False}
+    assert "local_spec_fusions_need_apex" not in [x.code for x in validate(kit.plan(implementation=off))]
+    # Transformer Engine's layers fuse the accumulation themselves
+    assert "local_spec_fusions_need_apex" not in [x.code for x in validate(kit.plan())]
+
+
+def test_grouped_gemm_with_the_local_spec_says_sequential_mlp_runs(kit):
+    f = kit.one(_moe(kit, ep=1, transformer_impl="local", moe_grouped_gemm=True), "grouped_gemm_ignored_by_local_spec")
+    assert f.severity == "info" and "SequentialMLP" in f.message and "the 8 local experts" in f.message
+    assert "grouped_gemm_ignored_by_local_spec" not in [x.code for x in validate(_moe(kit, ep=1, moe_grouped_gemm=True))]

@@ -176,6 +176,18 @@ are a new kernel's first load (once per kernel, early in a run). In a run (s9, 4
 the cache turned off added 1.27 s per step to ~15,000 expert GEMMs of a one-GPU 128-expert model
 (C_qwen30like_e128k8_s4k and _cache0; 85 us each, against 0.118 ms from this constant at that probe)."""
 
+HEURISTIC_QUERY_TORCH_REF_LAYERS = 0.0565
+"""The same miss where torch issues the expert GEMM (the local spec: SequentialMLP of Megatron's own linear layers,
+aten::mm through cuBLAS) rather than Transformer Engine: 0.31 ms, the median time from an expert aten::mm's start
+to its kernel launch over the forward's expert GEMMs of a traced step (rank 0, N_moe64top8_ep4_alltoall, 4 x H100,
+Megatron-LM 0.19.2 without TE, session s10: 0.28-0.37 ms each, the attention's fixed-shape mm 0.05-0.09 ms in
+the same step; benchmarks/results/gpu_h100x4_N_runs.jsonl), over the catalog's host_floor_ms_per_layer 5.5 the
+row was predicted with (no TE host probe there). The held-out N_moe8top2_ep2_alltoall trace reads 0.29 ms. The same
+lease's isolated probe (benchmarks/gpu/gemm_shape_probe.py, benchmarks/results/gpu_h100x4_gemm_shape_probe_s10.jsonl)
+reads 0.12-0.20 ms for a new row count of the forward and dgrad GEMMs, alone or four processes at once, and 0.025 ms
+for the wgrad (the row count as the reduction dimension): a training step pays about twice the isolated query, so
+the in-run figure is the one used, for all six GEMMs alike."""
+
 
 #: bins of the row-count law in the cache model: each bin's counts are taken as equally likely (the law is smooth
 #: over a few hundredths of its width), which keeps a layout search's many calls cheap
@@ -397,7 +409,8 @@ def experts(c, kit: MoeKit) -> dict:
     share = (impl.moe_miss_share if impl.moe_miss_share is not None
              else heuristic_miss_share(M_e, expert_load_cv(impl.moe_force_balanced, impl.moe_expert_cv), impl.cublaslt_cache))
     miss = local * share
-    query_f, query_b = (HEURISTIC_QUERY_REF_LAYERS * q for q in kit.ref_units)  # one query in host units
+    per_query = HEURISTIC_QUERY_REF_LAYERS if impl.te else HEURISTIC_QUERY_TORCH_REF_LAYERS
+    query_f, query_b = (per_query * q for q in kit.ref_units)  # one query in host units
     # a miss costs HEURISTIC_QUERY_REF_LAYERS of the host's reference layer: fc1, fc2 forward; 4 GEMMs backward
     # forward: each expert's GEMM waits for its own heuristic query (asked right before its launch, after the
     # dispatcher's sync): the GPU idles where a query outlasts the previous expert's GEMM, whatever the layer's

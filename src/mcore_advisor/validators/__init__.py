@@ -77,6 +77,7 @@ def _ctx_from_plan(plan: Plan) -> Ctx:
         account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
         cross_entropy_fusion_impl=im.cross_entropy_fusion_impl, cross_entropy_loss_fusion=im.cross_entropy_loss_fusion,
+        gradient_accumulation_fusion=im.gradient_accumulation_fusion, masked_softmax_fusion=im.masked_softmax_fusion,
     )
 
 

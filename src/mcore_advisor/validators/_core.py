@@ -52,6 +52,8 @@ TRANSFORMER_IMPL = "implementation.transformer_impl"
 ATTENTION_BACKEND = "implementation.attention_backend"
 DISPATCHER = "implementation.moe_token_dispatcher_type"
 GROUPED_GEMM = "implementation.moe_grouped_gemm"
+GRAD_ACC_FUSION = "implementation.gradient_accumulation_fusion"
+MASKED_SOFTMAX_FUSION = "implementation.masked_softmax_fusion"
 FSDP2 = "implementation.use_torch_fsdp2"
 MEGATRON_FSDP = "implementation.use_megatron_fsdp"
 SHARDING_STRATEGY = "implementation.data_parallel_sharding_strategy"
@@ -127,6 +129,8 @@ class Ctx:
     account_for_loss_in_pipeline_split: bool = False
     cross_entropy_fusion_impl: str = _default(ImplementationSpec, "cross_entropy_fusion_impl")
     cross_entropy_loss_fusion: bool = _default(ImplementationSpec, "cross_entropy_loss_fusion")
+    gradient_accumulation_fusion: bool = _default(ImplementationSpec, "gradient_accumulation_fusion")
+    masked_softmax_fusion: bool = _default(ImplementationSpec, "masked_softmax_fusion")
     # derived
     etp: int = field(default=0, init=False)
     vp: int = field(default=1, init=False)  # model chunks per stage actually built (1 unless interleaved)

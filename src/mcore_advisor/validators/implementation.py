@@ -15,8 +15,10 @@ from ._core import (
     EXP_AVG_SQ_DTYPE,
     FSDP2,
     GIB,
+    GRAD_ACC_FUSION,
     GRAD_REDUCE_FP32,
     GROUPED_GEMM,
+    MASKED_SOFTMAX_FUSION,
     MBS,
     MEGATRON_FSDP,
     OVERLAP_GRAD_REDUCE,
@@ -58,6 +60,47 @@ def _local_sp(c: Ctx):
         "unless Apex is installed",
         "set implementation.transformer_impl to transformer_engine, or parallelism.sequence_parallel false "
         "(or install Apex for the local spec)",
+    )
+
+
+@rule(
+    "local_spec_fusions_need_apex",
+    "info",
+    AREA,
+    "the local spec's fusions come from Apex",
+    when=lambda c: _local(c) and (c.gradient_accumulation_fusion or c.masked_softmax_fusion),
+)
+def _local_apex(c: Ctx):
+    # Megatron's own linear layers fuse the wgrad accumulation with Apex's fused_weight_gradient_mlp_cuda and its
+    # DotProductAttention takes the masked softmax from Apex's scaled_*masked_softmax_cuda: NVIDIA's PyTorch
+    # containers ship Apex, a pip-installed Megatron-LM has neither (render_launch_script turns both off when
+    # apex_installed is false). On 4 x H100 (benchmarks/results/gpu_h100x4_N_runs.jsonl) the local-spec plans ran
+    # 19-34% slower than predicted with both on, and within 3% (dense) once predicted with both off.
+    on = [f for f, v in ((GRAD_ACC_FUSION, c.gradient_accumulation_fusion), (MASKED_SOFTMAX_FUSION, c.masked_softmax_fusion)) if v]
+    return (
+        [TRANSFORMER_IMPL, *on],
+        "transformer_impl local takes " + " and ".join(f.split(".")[1] for f in on) + " from Apex (NVIDIA's PyTorch "
+        "containers); without Apex Megatron runs them off and the step is slower than this prediction",
+        "where Apex is not installed, set " + " and ".join(f"{f} false" for f in on) + " to predict the run as it "
+        "will go (render_launch_script with apex_installed false renders them off)",
+    )
+
+
+@rule(
+    "grouped_gemm_ignored_by_local_spec",
+    "info",
+    AREA,
+    "the local spec always builds SequentialMLP",
+    when=lambda c: _local(c) and c.is_moe and c.moe_grouped_gemm and c.num_experts // max(c.ep, 1) > 1,
+)
+def _local_grouped(c: Ctx):
+    # megatron-core 0.19: LocalSpecProvider.grouped_mlp_modules returns SequentialMLP whatever moe_grouped_gemm says
+    return (
+        [GROUPED_GEMM, TRANSFORMER_IMPL],
+        f"transformer_impl local builds SequentialMLP whatever moe_grouped_gemm says: the {c.num_experts // c.ep} "
+        "local experts run one after another, each its own GEMMs and launches (the prediction counts them so)",
+        "set implementation.transformer_impl transformer_engine for the grouped GEMM, or moe_grouped_gemm false "
+        "to say what runs",
     )
 
 
