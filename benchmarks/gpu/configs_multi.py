@@ -468,22 +468,44 @@ def local_spec_lines() -> list[dict]:
              "spec": job_spec(p, **RUN_N)} for name, p, n in local_rows()]
 
 
+#: two N plans again with every rank traced at iteration 9 (after the first iterations' kernel loads) and the ops'
+#: shapes recorded: which rank the others wait for inside each all-to-all, and why (session s10)
+RUN_RANKS = {"warmup_steps": 1, "measure_steps": 6, "profile_steps": (9, 9)}
+
+
+def _every_rank_traced(argv: list[str], ranks: int) -> list[str]:
+    i = argv.index("--profile-ranks")
+    return argv[:i + 1] + [str(r) for r in range(ranks)] + argv[i + 2:] + ["--pytorch-profiler-collect-shapes"]
+
+
+def ranks_spec_lines() -> list[dict]:
+    out = []
+    for name, p, n in local_rows():
+        if name in ("N_moe8top2_ep4_alltoall", "N_moe64top8_ep4_alltoall"):
+            spec = job_spec(p, **RUN_RANKS)
+            spec["megatron_argv"] = _every_rank_traced(spec["megatron_argv"], n)
+            out.append({"name": f"{name}_ranks", "group": "multi", "nproc": n, "held_out": held_out(f"{name}_ranks"),
+                        "needs_te": False, "spec": spec})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
                          "mask: the M_* plans (with and without the data loader's attention mask); "
                          "cache: the C_* plans (expert GEMM shapes and cuBLASLt's heuristics cache); "
                          "validate: the V_* plans (MoE shapes predicted before they ran); "
-                         "local: the N_* plans (Megatron-LM without Transformer Engine)")
+                         "local: the N_* plans (Megatron-LM without Transformer Engine); "
+                         "ranks: two N MoE plans with every rank traced")
     a = ap.parse_args(argv)
     lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
              "mask": mask_spec_lines, "cache": cache_spec_lines, "validate": validate_spec_lines,
-             "local": local_spec_lines}.get(
+             "local": local_spec_lines, "ranks": ranks_spec_lines}.get(
         a.set, lambda: spec_lines(a.gpus))()
     Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"wrote {len(lines)} runs ({sum(x['nproc'] == a.gpus for x in lines)} on {a.gpus} GPUs) to {a.out}")
