@@ -40,6 +40,7 @@ import numpy as np
 
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.knowledge.runs import plan_for_run, published_runs
+from mcore_advisor.knowledge.hardware import gpu_key_from_label
 from mcore_advisor.launcher.as_ran import as_ran
 from mcore_advisor.physics import step_time as stm
 from mcore_advisor.physics.flops import flops_per_iteration
@@ -197,7 +198,12 @@ def multi_gpu_cases() -> list[Case]:
             if r.get("status") != "ok" or not isinstance(res.get("megatron"), dict) or "plan" not in r \
                     or res.get("mode") != "profile" or not res.get("iter_s"):
                 continue
-            plan = as_ran(Plan.model_validate(r["plan"]), res).plan
+            # the plan as asked for, so the job's record (host probe, routing) is read by the code at this commit
+            # and not by the code that wrote the row (report_multi keeps its as-ran plan under "plan"), on the GPU
+            # the job ran on
+            plan = as_ran(Plan.model_validate(r.get("plan_requested") or r["plan"]), res).plan
+            gpu_ran = gpu_key_from_label(res.get("device") or "")
+            plan = with_changes(plan, "cluster", gpu=gpu_ran) if gpu_ran and gpu_ran != plan.cluster.gpu else plan
             held = r["held_out"] if isinstance(r.get("held_out"), bool) else megatron_rows.held_out(r["name"])
             spec = "TE" if plan.implementation.transformer_impl == "transformer_engine" else "local"
             out.append(Case(f"{r['name']} ({p.stem})", plan, _tps(plan, res["iter_s"]), "Megatron iteration time", [],

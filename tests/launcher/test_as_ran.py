@@ -84,6 +84,22 @@ def test_the_jobs_host_probe_sets_the_host_speed_it_predicts_with():
         assert as_ran(PLAN, {**AS_RENDERED, "host": {"probe": other}}).plan.cluster.host_floor_ms_per_layer is None
 
 
+def test_a_probe_run_with_the_heuristics_cache_off_loses_its_layers_queries():
+    from mcore_advisor.physics.moe import HEURISTIC_QUERY_REF_LAYERS
+    from mcore_advisor.physics.step_time import HOST_PROBE_GEMMS, HOST_PROBE_TO_LAYER
+
+    probe = {"ms_per_layer": 8.0, "impl": "transformer_engine"}
+    off = as_ran(PLAN, {**AS_RENDERED, "host": {"probe": probe, "cublaslt_heuristics_cache_capacity": 0}})
+    # floor + 12 queries of 0.0245 floors each = 8.0 ms -> floor = 8.0 / 1.294
+    floor = 8.0 * HOST_PROBE_TO_LAYER / (1 + HOST_PROBE_GEMMS * HEURISTIC_QUERY_REF_LAYERS)
+    assert HOST_PROBE_GEMMS == 12 and floor == pytest.approx(6.18, abs=0.01)
+    assert off.plan.cluster.host_floor_ms_per_layer == pytest.approx(floor, abs=1e-4)
+    assert any("the cache was off" in d for d in off.differences)
+    # any cache size that keeps the cache leaves the probe as measured
+    big = as_ran(PLAN, {**AS_RENDERED, "host": {"probe": probe, "cublaslt_heuristics_cache_capacity": 65536}})
+    assert big.plan.cluster.host_floor_ms_per_layer == pytest.approx(8.0 * HOST_PROBE_TO_LAYER)
+
+
 def test_the_routing_a_job_recorded_is_what_gets_predicted_and_a_plan_figure_wins():
     result = {**AS_RENDERED, "moe_routing": {"rank_imbalance_mean": 1.3164}}
     ran = as_ran(PLAN, result)

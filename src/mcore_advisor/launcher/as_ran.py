@@ -98,9 +98,10 @@ def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -
     probe = (result.get("host") or {}).get("probe") or {}
     if plan.cluster.host_floor_ms_per_layer is not None or probe.get("impl") != "transformer_engine":
         return AsRan(plan, diffs)
-    floor = host_floor_from_probe(float(probe["ms_per_layer"]))
-    diffs = diffs + [f"host_floor_ms_per_layer {floor:.2f} (the job's host probe: "
-                     f"{float(probe['ms_per_layer']):.2f} ms per TE layer)"]
+    cache_off = (result.get("host") or {}).get("cublaslt_heuristics_cache_capacity") == 0
+    floor = host_floor_from_probe(float(probe["ms_per_layer"]), heuristics_cache_off=cache_off)
+    diffs = diffs + [f"host_floor_ms_per_layer {floor:.2f} (the job's host probe: {float(probe['ms_per_layer']):.2f} ms "
+                     f"per TE layer{', less its GEMMs heuristic queries: the cache was off' if cache_off else ''})"]
     return AsRan(with_changes(plan, "cluster", host_floor_ms_per_layer=round(floor, 4)), diffs)
 
 

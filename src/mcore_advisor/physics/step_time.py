@@ -100,7 +100,7 @@ from mcore_advisor.physics.memory import (
     grads_in_fp32,
     stage_table,
 )
-from mcore_advisor.physics.moe import MoeKit, dominant_part, host_syncs_per_layer, moe_layer
+from mcore_advisor.physics.moe import HEURISTIC_QUERY_REF_LAYERS, MoeKit, dominant_part, host_syncs_per_layer, moe_layer
 from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, parallel_dims
 
 # ---------------------------------------------------------------------------------------------
@@ -310,9 +310,19 @@ probe the s5 rows' step-time error is 2.9% median held-out / 6.4% fitted; with t
 VM figure (5.5) instead, 4.5% / 18.3% (benchmarks/results/gpu_h100x4_L_summary.md)."""
 
 
-def host_floor_from_probe(probe_ms_per_layer: float) -> float:
-    """host_floor_ms_per_layer for a machine whose host probe measured `probe_ms_per_layer`."""
-    return HOST_PROBE_TO_LAYER * probe_ms_per_layer
+HOST_PROBE_GEMMS = 12
+"""GEMM problems of the host probe's layer per forward + backward: TE's TransformerLayer issues QKV, the
+projection, fc1 and fc2 forward and each one's dgrad and wgrad backward. With cuBLASLt's heuristics cache off
+(CUBLASLT_HEURISTICS_CACHE_CAPACITY=0 for the whole job) each of them asks the heuristic every time, so the probe
+times the host plus these queries: the s9 H200 lease's probes read 7.7-8.1 ms with the cache off against 4.6-5.8 with
+it on (benchmarks/results/gpu_h200x4_C_runs.jsonl)."""
+
+
+def host_floor_from_probe(probe_ms_per_layer: float, heuristics_cache_off: bool = False) -> float:
+    """host_floor_ms_per_layer for a machine whose host probe measured `probe_ms_per_layer`; a probe run with
+    cuBLASLt's heuristics cache off also timed HOST_PROBE_GEMMS queries of HEURISTIC_QUERY_REF_LAYERS floors each."""
+    queries = HOST_PROBE_GEMMS * HEURISTIC_QUERY_REF_LAYERS if heuristics_cache_off else 0.0
+    return HOST_PROBE_TO_LAYER * probe_ms_per_layer / (1.0 + queries)
 
 DATALOADER_MASK_S_PER_GIB = 0.104
 """Step time per GiB of attention mask that Megatron-LM's default data loader hands one loading rank
