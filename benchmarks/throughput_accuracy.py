@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mcore_advisor.knowledge.hardware import gpu_key_from_label
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.knowledge.runs import plan_for_run, published_runs
-from mcore_advisor.knowledge.hardware import gpu_key_from_label
 from mcore_advisor.launcher.as_ran import as_ran
 from mcore_advisor.physics import step_time as stm
 from mcore_advisor.physics.flops import flops_per_iteration

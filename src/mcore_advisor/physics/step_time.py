@@ -100,7 +100,13 @@ from mcore_advisor.physics.memory import (
     grads_in_fp32,
     stage_table,
 )
-from mcore_advisor.physics.moe import HEURISTIC_QUERY_REF_LAYERS, MoeKit, dominant_part, host_syncs_per_layer, moe_layer
+from mcore_advisor.physics.moe import (
+    HEURISTIC_QUERY_REF_LAYERS,
+    MoeKit,
+    dominant_part,
+    host_syncs_per_layer,
+    moe_layer,
+)
 from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, parallel_dims
 
 # ---------------------------------------------------------------------------------------------
