@@ -489,11 +489,43 @@ def ranks_spec_lines() -> list[dict]:
     return out
 
 
+#: the ninth set (session s10): more of Megatron-LM without Transformer Engine, on shapes the N set did not use
+#: (GPT-3 style: LayerNorm, GeLU, biases, learned positions, tied embeddings; full and selective recompute; 4k
+#: tokens), each plan with the two Apex fusions off as evaluate_plan's local_spec_fusions_need_apex advises, and
+#: predicted at the committed code before it ran
+GPT27_L = {"num_layers": 8, "hidden_size": 2560, "num_attention_heads": 32, "ffn_hidden_size": 10240, "vocab_size": 32000,
+           "swiglu": False, "normalization": "LayerNorm", "add_bias_linear": True,
+           "untie_embeddings_and_output_weights": False, "position_embedding_type": "learned_absolute"}
+GPT67_L = {**GPT27_L, "hidden_size": 4096, "ffn_hidden_size": 16384}
+
+
+def local_more_rows() -> list[tuple[str, Plan, int]]:
+    local = {"transformer_impl": "local", "gradient_accumulation_fusion": False, "masked_softmax_fusion": False, **NO_MASK}
+    tp4, tp2 = {"tensor_model_parallel_size": 4}, {"tensor_model_parallel_size": 2}
+    full = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return [
+        ("G_gpt27_tp4", plan(GPT27_L, 4, seq=2048, gbs=32, mbs=8, par=tp4, impl=local), 4),
+        ("G_gpt67_dp4_full", plan(GPT67_L, 4, seq=2048, gbs=32, mbs=4, par=full, impl=local), 4),
+        ("G_gpt67_tp2_pp2_vp2", plan(GPT67_L, 4, seq=2048, gbs=32, mbs=2, par={
+            **tp2, "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, impl=local), 4),
+        ("G_gpt27_dp4_sel", plan(GPT27_L, 4, seq=2048, gbs=32, mbs=4, par=SEL, impl=local), 4),
+        ("G_llama8l_tp2_dp2_s4k", plan(LLAMA_L, 4, seq=4096, gbs=16, mbs=2, par=tp2, impl=local), 4),
+        ("G_gpt27_pp4_mb16", plan(GPT27_L, 4, seq=2048, gbs=64, mbs=4, par={"pipeline_model_parallel_size": 4}, impl=local), 4),
+        ("G_gpt67_tp2", plan(GPT67_L, 2, seq=2048, gbs=16, mbs=4, par=tp2, impl=local), 2),
+        ("G_gpt27_dp2_ddp", plan(GPT27_L, 2, seq=2048, gbs=16, mbs=4, par=NO_DP_OVERLAP, impl=local), 2),
+    ]
+
+
+def local_more_spec_lines() -> list[dict]:
+    return [{"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": False,
+             "spec": job_spec(p, **RUN_N)} for name, p, n in local_more_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -501,11 +533,13 @@ def main(argv: list[str] | None = None) -> None:
                          "cache: the C_* plans (expert GEMM shapes and cuBLASLt's heuristics cache); "
                          "validate: the V_* plans (MoE shapes predicted before they ran); "
                          "local: the N_* plans (Megatron-LM without Transformer Engine); "
-                         "ranks: two N MoE plans with every rank traced")
+                         "ranks: two N MoE plans with every rank traced; "
+                         "local_more: the G_* plans (GPT-3 style without Transformer Engine)")
     a = ap.parse_args(argv)
     lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
              "mask": mask_spec_lines, "cache": cache_spec_lines, "validate": validate_spec_lines,
-             "local": local_spec_lines, "ranks": ranks_spec_lines}.get(
+             "local": local_spec_lines, "ranks": ranks_spec_lines,
+             "local_more": local_more_spec_lines}.get(
         a.set, lambda: spec_lines(a.gpus))()
     Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"wrote {len(lines)} runs ({sum(x['nproc'] == a.gpus for x in lines)} on {a.gpus} GPUs) to {a.out}")
