@@ -136,3 +136,22 @@ def test_a_hybrid_layer_is_its_one_block_and_pre_norm():
     assert kinds[("attention",)][0] + kinds[("mlp",)][0] == pytest.approx(sum(gpt.values()), rel=1e-15)
     with pytest.raises(ValueError, match="block kind"):
         block_activation_terms(h8b, "mtp", 8192, 1, o)
+
+
+def test_recomputed_unfused_core_attention_holds_its_softmax_again_in_the_backward():
+    # Megatron's DotProductAttention (local spec), bf16 softmax without the fused kernel: 2 B per score saved,
+    # 6 B live at its backward (output, gradient in, gradient out). Without recompute the backward adds the
+    # 4 B beyond what is saved; with core_attn recomputed nothing is saved, and the rerun forward brings all 6 B
+    # back: the working piece grows by exactly the 2 B per score the saved activations lost.
+    local = dict(transformer_impl="local", unfused_attention=True, masked_softmax_fusion=False)
+    plain = ActivationOptions(**local)
+    sel = ActivationOptions(**local, recompute_modules=frozenset({"core_attn"}))
+    saved_plain = layer_activation_terms(LLAMA3_8B, 2048, 1, False, plain)
+    saved_sel = layer_activation_terms(LLAMA3_8B, 2048, 1, False, sel)
+    scores = 32 * 2048 * 2048
+    assert saved_plain["attention_scores"] == 2 * scores and saved_sel["attention_scores"] == 0
+    piece_plain = layer_backward_working_pieces(LLAMA3_8B, 2048, 1, False, plain, saved_plain)[1]
+    piece_sel = layer_backward_working_pieces(LLAMA3_8B, 2048, 1, False, sel, saved_sel)[1]
+    freed = (saved_plain["mlp_activations"] + saved_plain["attention_output"]
+             - saved_sel["mlp_activations"] - saved_sel["attention_output"])
+    assert piece_sel - piece_plain == pytest.approx(2 * scores + freed, rel=1e-12)
