@@ -100,7 +100,8 @@ def test_moe_plan_renders_experts_dispatcher_and_expert_parallel_flags():
     assert "--moe-layer-freq" not in argv   # every layer MoE is the default
 
 
-@pytest.mark.parametrize("freq, expected", [(2, "2"), ([0, 1, 1, 1], "[0,1,1,1]")])
+# all zeros: --num-experts is still rendered, so without the list Megatron would build every layer as MoE
+@pytest.mark.parametrize("freq, expected", [(2, "2"), ([0, 1, 1, 1], "[0,1,1,1]"), ([0, 0, 0, 0], "[0,0,0,0]")])
 def test_moe_layer_pattern_renders_as_megatron_reads_it(freq, expected):
     plan = Plan(model={"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": 1000,
                        "num_experts": 4, "moe_layer_freq": freq}, cluster={"num_gpus": 1},

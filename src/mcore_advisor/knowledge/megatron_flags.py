@@ -438,8 +438,9 @@ def moe_layer_freq(pattern: tuple[int, ...]) -> str | None:
 
 
 def _render_moe_freq(view: RenderView) -> list[Flag]:
-    # A hybrid model's MoE layers are its pattern's 'E' symbols; HybridModel never reads --moe-layer-freq.
-    freq = moe_layer_freq(view.shape.moe_layer_pattern) if view.shape.is_moe and not view.shape.is_hybrid else None
+    # A hybrid model's MoE layers are its pattern's 'E' symbols; HybridModel never reads --moe-layer-freq. Keyed on
+    # num_experts, which renders --num-experts, not on is_moe: a pattern of no MoE layer must still be written.
+    freq = moe_layer_freq(view.shape.moe_layer_pattern) if view.shape.num_experts and not view.shape.is_hybrid else None
     return [] if freq is None else _v(("--moe-layer-freq", freq, "model.moe_layer_freq: which layers are MoE"))
 
 
