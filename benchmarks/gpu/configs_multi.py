@@ -521,11 +521,36 @@ def local_more_spec_lines() -> list[dict]:
              "spec": job_spec(p, **RUN_N)} for name, p, n in local_more_rows()]
 
 
+#: the tenth set (session s10): DeepSeek-V2-Lite's multi-latent attention (MLA without query compression, YaRN RoPE,
+#: qk-layernorm) on 8 layers, without Transformer Engine, dense and with its 64 experts top-6 (first layer dense),
+#: predicted at the committed code before it ran
+V2LITE_MLA = {"num_layers": 8, "hidden_size": 2048, "num_attention_heads": 16, "ffn_hidden_size": 10944, "vocab_size": 102400,
+              "swiglu": True, "normalization": "RMSNorm", "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
+              "position_embedding_type": "rope", "multi_latent_attention": True, "kv_lora_rank": 512, "qk_head_dim": 128,
+              "qk_pos_emb_head_dim": 64, "v_head_dim": 128, "rotary_base": 10000, "rope_scaling_factor": 40}
+V2LITE_MOE = {**V2LITE_MLA, "num_experts": 64, "moe_router_topk": 6, "moe_ffn_hidden_size": 1408,
+              "moe_shared_expert_intermediate_size": 2816, "moe_layer_freq": [0] + [1] * 7, "moe_router_score_function": "softmax"}
+
+
+def mla_rows() -> list[tuple[str, Plan, int]]:
+    local = {"transformer_impl": "local", "gradient_accumulation_fusion": False, "masked_softmax_fusion": False, **NO_MASK}
+    return [
+        ("A_mla_dense_tp2_dp2", plan(V2LITE_MLA, 4, seq=2048, gbs=32, mbs=4, par={"tensor_model_parallel_size": 2}, impl=local), 4),
+        ("A_mla_moe64top6_ep4", plan(V2LITE_MOE, 4, seq=2048, gbs=32, mbs=2, par={"expert_model_parallel_size": 4},
+                                     impl={**local, "moe_grouped_gemm": False, "moe_token_dispatcher_type": "alltoall"}), 4),
+    ]
+
+
+def mla_spec_lines() -> list[dict]:
+    return [{"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": False,
+             "spec": job_spec(p, **RUN_N)} for name, p, n in mla_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -534,12 +559,13 @@ def main(argv: list[str] | None = None) -> None:
                          "validate: the V_* plans (MoE shapes predicted before they ran); "
                          "local: the N_* plans (Megatron-LM without Transformer Engine); "
                          "ranks: two N MoE plans with every rank traced; "
-                         "local_more: the G_* plans (GPT-3 style without Transformer Engine)")
+                         "local_more: the G_* plans (GPT-3 style without Transformer Engine); "
+                         "mla: the A_* plans (DeepSeek-V2-Lite's MLA, dense and MoE, without Transformer Engine)")
     a = ap.parse_args(argv)
     lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
              "mask": mask_spec_lines, "cache": cache_spec_lines, "validate": validate_spec_lines,
              "local": local_spec_lines, "ranks": ranks_spec_lines,
-             "local_more": local_more_spec_lines}.get(
+             "local_more": local_more_spec_lines, "mla": mla_spec_lines}.get(
         a.set, lambda: spec_lines(a.gpus))()
     Path(a.out).write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"wrote {len(lines)} runs ({sum(x['nproc'] == a.gpus for x in lines)} on {a.gpus} GPUs) to {a.out}")
