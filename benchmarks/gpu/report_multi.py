@@ -353,12 +353,14 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--session", required=True)
     ap.add_argument("--prefix", help="output files' prefix (default gpu_<gpu>x<N>; the second set: gpu_h100x4_L)")
+    ap.add_argument("--gpu", default="h100-sxm", help="the GPU catalog key when no row of the calls names its device")
     ap.add_argument("dirs", nargs="+")
     a = ap.parse_args(argv)
     data = load([Path(d) for d in a.dirs], a.session)
     runs = [real_row(r, c) for r, c in data["runs"]]
-    device = next((r["result"]["device"] for r in runs if r.get("result")), "unknown")
-    key = gpu_key_from_label(device) or "unknown"
+    device = next((r["result"]["device"] for r in runs if (r.get("result") or {}).get("device")), "unknown")
+    # a call whose every row failed before CUDA came up names no device: its rows are kept, the probes' model is not
+    key = gpu_key_from_label(device) or a.gpu
     prefix = a.prefix or f"gpu_{key.split('-')[0]}x{max(r['nproc'] for r in runs)}"
     reals = {r["name"]: r for r in runs}
     pairs = [fake_pair(f, reals, c) for f, c in data["fakes"]]

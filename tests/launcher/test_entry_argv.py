@@ -59,6 +59,19 @@ def test_fp8_without_transformer_engine_is_refused_naming_the_plan_field():
         A.for_machine(_argv(training={"seq_length": 4096, "global_batch_size": 256, "precision": "fp8"}), CPU, "/o")
 
 
+def test_mla_on_a_gpu_without_transformer_engine_is_refused_and_the_cpu_ci_keeps_it():
+    gpu_no_te = A.Machine(cuda=True, transformer_engine=False, apex=False, fused_softmax=False)
+    plan = Plan(model={"name": "deepseek-v2-lite"}, cluster={"gpu": "h100-sxm", "num_gpus": 8},
+                training={"seq_length": 4096, "global_batch_size": 64}, parallelism={"expert_model_parallel_size": 8})
+    argv = megatron_argv(plan, train_iters=1, profile_steps=None, seed=1234)
+    with pytest.raises(ValueError, match=r"model\.multi_latent_attention needs Transformer Engine"):
+        A.for_machine(argv, gpu_no_te, "/o")
+    cpu_argv, _ = A.for_machine(argv, CPU, "/o")
+    assert A.values(cpu_argv, "--multi-latent-attention") == []
+    te_argv, _ = A.for_machine(argv, GPU_TE, "/o")
+    assert A.values(te_argv, "--multi-latent-attention") == []
+
+
 def test_shrink_fits_the_layout_to_two_processes_and_keeps_every_non_size_flag():
     argv = _argv()
     small, adj = A.shrink(argv, 2)

@@ -317,3 +317,13 @@ def test_fp8_needs_a_16_aligned_mamba_in_proj(kit):
                  "tensor_model_parallel_size": 4}, training={"precision": "fp8"})
     assert "13924" in kit.one(p, "mamba_fp8_in_proj_width").message
     assert "mamba_fp8_in_proj_width" not in kit.codes(_one_gpu_each(kit, _hybrid(), tensor_model_parallel_size=4))
+
+
+def test_mla_on_the_local_spec_is_an_error_megatron_raises_at_model_build(kit):
+    p = kit.plan(model=kit.DSV2_LITE, cluster={"num_gpus": 8}, parallelism={"pipeline_model_parallel_size": 1},
+                 implementation={"transformer_impl": "local"})
+    f = kit.one(p, "mla_needs_transformer_engine")
+    assert f.severity == "error" and f.fields == ["model.multi_latent_attention", "implementation.transformer_impl"]
+    assert "k_channels" in f.message and "transformer_engine" in f.fix
+    te = kit.plan(model=kit.DSV2_LITE, cluster={"num_gpus": 8}, parallelism={"pipeline_model_parallel_size": 1})
+    assert "mla_needs_transformer_engine" not in kit.codes(te)

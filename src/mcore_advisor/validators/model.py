@@ -16,6 +16,7 @@ from ._core import (
     SEQ,
     SP,
     TP,
+    TRANSFORMER_IMPL,
     VP,
     Ctx,
     choices,
@@ -475,6 +476,26 @@ def _mtp_rope(c: Ctx):
         f"Multi-Token Prediction (MTP) is not supported with {c.shape.position_embedding_type} position "
         "embedding type. The supported position embedding types are rope and none.",
         "set model.position_embedding_type to rope, or model.mtp_num_layers to 0",
+    )
+
+
+@rule(
+    "mla_needs_transformer_engine",
+    "error",
+    AREA,
+    "MLA's core attention is Transformer Engine's",
+    when=lambda c: c.shape.multi_latent_attention and c.transformer_impl == "local",
+)
+def _mla_local(c: Ctx):
+    # megatron-core 0.19.2: MLASelfAttention builds its core attention with k_channels / v_channels (Q/K and V head
+    # dims differ), which only TEDotProductAttention takes; the local spec's DotProductAttention raises TypeError at
+    # model build (4 x H100, s10: "DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'")
+    return (
+        ["model.multi_latent_attention", TRANSFORMER_IMPL],
+        "multi-latent attention needs Transformer Engine's DotProductAttention: with transformer_impl local "
+        "Megatron-Core 0.19 fails at model build (DotProductAttention.__init__() got an unexpected keyword argument "
+        "'k_channels')",
+        "set implementation.transformer_impl transformer_engine (and install Transformer Engine where the job runs)",
     )
 
 

@@ -10,7 +10,8 @@ ran (launcher/as_ran.py):
 - without Transformer Engine, TE's implementation choices fall back to Megatron's local ones:
   `--transformer-impl local`, `--no-rope-fusion`, and `--attention-backend` (flash/fused are TE kernels),
   `--moe-grouped-gemm`, `--moe-permute-fusion`, `--tp-comm-overlap` and `--cross-entropy-fusion-impl te` are dropped;
-  FP8 (`--fp8-format`) is refused: it changes the numerics, not just the kernels;
+  FP8 (`--fp8-format`) is refused: it changes the numerics, not just the kernels; so is multi-latent attention on
+  a GPU (megatron-core 0.19's local DotProductAttention cannot take MLA's head dims; the CPU CI patches it);
 - with the local spec and no Apex, `--no-persist-layer-norm` (Megatron's torch norm refuses the
   persistent kernel, torch_norm.py WrappedTorchNorm);
 - without Megatron's compiled masked-softmax kernels (Apex / Megatron-LM builds; the wheel has
@@ -148,6 +149,11 @@ def for_machine(argv: Argv, machine: Machine, out_dir: str) -> tuple[Argv, list[
         if values(ed.argv, "--fp8-format") is not None:
             raise ValueError(f"training.precision='fp8' needs Transformer Engine on a GPU {where}; "
                              "set training.precision='bf16' or run where transformer_engine imports")
+        if machine.cuda and values(ed.argv, "--multi-latent-attention") is not None:
+            # megatron-core 0.19's local DotProductAttention refuses MLA's k_channels (validators: mla_needs_transformer_engine);
+            # the CPU CI patches it (cpu_shim.py), a GPU run has no such shim
+            raise ValueError(f"model.multi_latent_attention needs Transformer Engine's attention {where}: Megatron's "
+                             "local spec fails at model build; run where transformer_engine imports")
         if uses_te(ed.argv):
             ed.put("--transformer-impl", "local", why=f"no Transformer Engine {where}: Megatron's local spec")
         ed.put("--no-rope-fusion", why=f"the fused RoPE kernel is Transformer Engine's; none {where}")
