@@ -75,7 +75,7 @@ def _local_apex(c: Ctx):
     # DotProductAttention takes the masked softmax from Apex's scaled_*masked_softmax_cuda: NVIDIA's PyTorch
     # containers ship Apex, a pip-installed Megatron-LM has neither (render_launch_script turns both off when
     # apex_installed is false). On 4 x H100 (benchmarks/results/gpu_h100x4_N_runs.jsonl) the local-spec plans ran
-    # 19-34% slower than predicted with both on, and within 3% (dense) once predicted with both off.
+    # 19-34% slower than predicted with both on, and the dense ones within 6.5% once predicted with both off.
     on = [f for f, v in ((GRAD_ACC_FUSION, c.gradient_accumulation_fusion), (MASKED_SOFTMAX_FUSION, c.masked_softmax_fusion)) if v]
     return (
         [TRANSFORMER_IMPL, *on],

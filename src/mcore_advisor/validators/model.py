@@ -489,7 +489,7 @@ def _mtp_rope(c: Ctx):
 def _mla_local(c: Ctx):
     # megatron-core 0.19.2: MLASelfAttention builds its core attention with k_channels / v_channels (Q/K and V head
     # dims differ), which only TEDotProductAttention takes; the local spec's DotProductAttention raises TypeError at
-    # model build (4 x H100, s10: "DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'")
+    # model build (4 x H200, s10: "DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'")
     return (
         ["model.multi_latent_attention", TRANSFORMER_IMPL],
         "multi-latent attention needs Transformer Engine's DotProductAttention: with transformer_impl local "
