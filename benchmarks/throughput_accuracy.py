@@ -38,7 +38,6 @@ from pathlib import Path
 
 import numpy as np
 
-from mcore_advisor.knowledge.hardware import gpu_key_from_label
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.knowledge.runs import plan_for_run, published_runs
 from mcore_advisor.launcher.as_ran import as_ran
@@ -51,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import megatron_rows  # noqa: E402
 from _probe import probe_plan  # noqa: E402  (benchmarks/ is not a package)
+from report_multi import ran_plan  # noqa: E402  (the plan as a job ran it, on the GPU it ran on)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -199,11 +199,8 @@ def multi_gpu_cases() -> list[Case]:
                     or res.get("mode") != "profile" or not res.get("iter_s"):
                 continue
             # the plan as asked for, so the job's record (host probe, routing) is read by the code at this commit
-            # and not by the code that wrote the row (report_multi keeps its as-ran plan under "plan"), on the GPU
-            # the job ran on
-            plan = as_ran(Plan.model_validate(r.get("plan_requested") or r["plan"]), res).plan
-            gpu_ran = gpu_key_from_label(res.get("device") or "")
-            plan = with_changes(plan, "cluster", gpu=gpu_ran) if gpu_ran and gpu_ran != plan.cluster.gpu else plan
+            # and not by the code that wrote the row (report_multi keeps its as-ran plan under "plan")
+            plan = ran_plan({**r, "plan": r.get("plan_requested") or r["plan"]})
             held = r["held_out"] if isinstance(r.get("held_out"), bool) else megatron_rows.held_out(r["name"])
             spec = "TE" if plan.implementation.transformer_impl == "transformer_engine" else "local"
             out.append(Case(f"{r['name']} ({p.stem})", plan, _tps(plan, res["iter_s"]), "Megatron iteration time", [],

@@ -57,7 +57,7 @@ def _misc(call: Path) -> dict[str, str]:
     return out
 
 
-def _ran_plan(row: dict) -> Plan:
+def ran_plan(row: dict) -> Plan:
     """The plan as the job ran it, on the GPU it ran on."""
     plan = as_ran(Plan.model_validate(row["plan"]), row.get("result")).plan
     key = gpu_key_from_label((row.get("result") or {}).get("device") or "")
@@ -106,7 +106,7 @@ def real_row(row: dict, call: str) -> dict:
     res = row.get("result") or {}
     if row["status"] != "ok" or not res.get("iter_s"):
         return out
-    plan = _ran_plan(row)
+    plan = ran_plan(row)
     ev = evaluate_plan(plan).model_dump(mode="json")
     perf, bd = ev["performance"], ev["performance"]["breakdown"]
     d = parallel_dims(plan)

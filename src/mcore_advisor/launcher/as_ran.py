@@ -95,10 +95,11 @@ def _replayed_at_the_runs_cache(rec: Mapping[str, Any], result: Mapping[str, Any
 
 def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -> AsRan:
     """The plan on the host speed the job measured (entry/host_probe.py), unless the plan sets its own."""
-    probe = (result.get("host") or {}).get("probe") or {}
+    host = result.get("host") or {}
+    probe = host.get("probe") or {}
     if plan.cluster.host_floor_ms_per_layer is not None or probe.get("impl") != "transformer_engine":
         return AsRan(plan, diffs)
-    cache_off = (result.get("host") or {}).get("cublaslt_heuristics_cache_capacity") == 0
+    cache_off = host.get("cublaslt_heuristics_cache_capacity") == 0
     floor = host_floor_from_probe(float(probe["ms_per_layer"]), heuristics_cache_off=cache_off)
     diffs = diffs + [f"host_floor_ms_per_layer {floor:.2f} (the job's host probe: {float(probe['ms_per_layer']):.2f} ms "
                      f"per TE layer{', less its GEMMs heuristic queries: the cache was off' if cache_off else ''})"]

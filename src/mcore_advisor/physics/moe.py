@@ -411,7 +411,7 @@ def experts(c, kit: MoeKit) -> dict:
     miss = local * share
     per_query = HEURISTIC_QUERY_REF_LAYERS if impl.te else HEURISTIC_QUERY_TORCH_REF_LAYERS
     query_f, query_b = (per_query * q for q in kit.ref_units)  # one query in host units
-    # a miss costs HEURISTIC_QUERY_REF_LAYERS of the host's reference layer: fc1, fc2 forward; 4 GEMMs backward
+    # a miss costs per_query of the host's reference layer (TE's or torch's path): fc1, fc2 forward; 4 GEMMs backward
     # forward: each expert's GEMM waits for its own heuristic query (asked right before its launch, after the
     # dispatcher's sync): the GPU idles where a query outlasts the previous expert's GEMM, whatever the layer's
     # host total (trace, s9 C_moe64top8_ep4_alltoall step 3: 179 of the 279 ms the GPU idled fell inside the

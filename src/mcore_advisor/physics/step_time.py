@@ -320,7 +320,7 @@ HOST_PROBE_GEMMS = 12
 """GEMM problems of the host probe's layer per forward + backward: TE's TransformerLayer issues QKV, the
 projection, fc1 and fc2 forward and each one's dgrad and wgrad backward. With cuBLASLt's heuristics cache off
 (CUBLASLT_HEURISTICS_CACHE_CAPACITY=0 for the whole job) each of them asks the heuristic every time, so the probe
-times the host plus these queries: the s9 H200 lease's probes read 7.7-8.1 ms with the cache off against 4.6-5.8 with
+times the host plus these queries: the s9 H200 lease's probes read 7.7-8.1 ms with the cache off against 4.5-6.2 with
 it on (benchmarks/results/gpu_h200x4_C_runs.jsonl)."""
 
 
