@@ -551,11 +551,28 @@ def mla_spec_lines() -> list[dict]:
     return _no_te_lines(mla_rows())
 
 
+#: the eleventh set (session s11, issue 20): the GPT-2.7B layers at TP1 held 0.54-0.67 GiB more at the peak than the
+#: model on every G row and rank; the same layers on two GPUs with what is live at the peak recorded
+#: (launcher/entry/mem_peak.py), at TP1 (DP2, PP2) and TP2 to see how the gap scales
+def peak_rows() -> list[tuple[str, Plan, int]]:
+    local = LOCAL_NO_APEX
+    return [
+        ("P_gpt27_dp2_ddp", plan(GPT27_L, 2, seq=2048, gbs=16, mbs=4, par=NO_DP_OVERLAP, impl=local), 2),
+        ("P_gpt27_pp2_mb8", plan(GPT27_L, 2, seq=2048, gbs=32, mbs=4, par={"pipeline_model_parallel_size": 2}, impl=local), 2),
+        ("P_gpt27_tp2", plan(GPT27_L, 2, seq=2048, gbs=16, mbs=4, par={"tensor_model_parallel_size": 2}, impl=local), 2),
+    ]
+
+
+def peak_spec_lines() -> list[dict]:
+    return [{"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": False,
+             "spec": job_spec(p, **RUN_PEAK), "env": {"MCORE_ADVISOR_MEMORY_PEAK": "1"}} for name, p, n in peak_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -565,13 +582,14 @@ def main(argv: list[str] | None = None) -> None:
                          "local: the N_* plans (Megatron-LM without Transformer Engine); "
                          "ranks: two N MoE plans with every rank traced; "
                          "local_more: the G_* plans (GPT-3 style without Transformer Engine); "
-                         "mla: the A_* plans (DeepSeek-V2-Lite's MLA, dense and MoE, without Transformer Engine)")
+                         "mla: the A_* plans (DeepSeek-V2-Lite's MLA, dense and MoE, without Transformer Engine); "
+                         "peak: the P_* plans (GPT-2.7B layers without TE, what is live at the memory peak)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
                  "mask": mask_spec_lines, "cache": cache_spec_lines, "validate": validate_spec_lines,
                  "local": local_spec_lines, "ranks": ranks_spec_lines,
-                 "local_more": local_more_spec_lines, "mla": mla_spec_lines}.get(
+                 "local_more": local_more_spec_lines, "mla": mla_spec_lines, "peak": peak_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None
