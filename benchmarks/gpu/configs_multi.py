@@ -553,13 +553,16 @@ def mla_spec_lines() -> list[dict]:
 
 #: the eleventh set (session s11, issue 20): the GPT-2.7B layers at TP1 held 0.54-0.67 GiB more at the peak than the
 #: model on every G row and rank; the same layers on two GPUs with what is live at the peak recorded
-#: (launcher/entry/mem_peak.py), at TP1 (DP2, PP2) and TP2 to see how the gap scales
+#: (launcher/entry/mem_peak.py), at TP1 (DP2, PP2) and TP2 to see how the gap scales; then two Llama-8B layer plans
 def peak_rows() -> list[tuple[str, Plan, int]]:
     local = LOCAL_NO_APEX
     return [
         ("P_gpt27_dp2_ddp", plan(GPT27_L, 2, seq=2048, gbs=16, mbs=4, par=NO_DP_OVERLAP, impl=local), 2),
         ("P_gpt27_pp2_mb8", plan(GPT27_L, 2, seq=2048, gbs=32, mbs=4, par={"pipeline_model_parallel_size": 2}, impl=local), 2),
         ("P_gpt27_tp2", plan(GPT27_L, 2, seq=2048, gbs=16, mbs=4, par={"tensor_model_parallel_size": 2}, impl=local), 2),
+        # the Llama-8B layers (SwiGLU, GQA, RoPE), where the model was above the measured peaks: N_tp2's plan
+        ("P_llama8l_tp2", plan(LLAMA_L, 2, seq=2048, gbs=16, mbs=8, par={"tensor_model_parallel_size": 2}, impl=local), 2),
+        ("P_llama8l_pp2_mb8", plan(LLAMA_L, 2, seq=2048, gbs=32, mbs=4, par={"pipeline_model_parallel_size": 2}, impl=local), 2),
     ]
 
 
