@@ -140,9 +140,9 @@ def test_a_hybrid_layer_is_its_one_block_and_pre_norm():
 
 def test_recomputed_unfused_core_attention_holds_its_softmax_again_in_the_backward():
     # Megatron's DotProductAttention (local spec), bf16 softmax without the fused kernel: 2 B per score saved,
-    # 6 B live at its backward (output, gradient in, gradient out). Without recompute the backward adds the
-    # 4 B beyond what is saved; with core_attn recomputed nothing is saved, and the rerun forward brings all 6 B
-    # back: the working piece grows by exactly the 2 B per score the saved activations lost.
+    # 8 B live at the peak of its backward. Without recompute the backward adds the 6 B beyond what is saved;
+    # with core_attn recomputed nothing is saved, and the rerun forward brings all 8 B back: the working
+    # piece grows by exactly the 2 B per score the saved activations lost.
     local = dict(transformer_impl="local", unfused_attention=True, masked_softmax_fusion=False)
     plain = ActivationOptions(**local)
     sel = ActivationOptions(**local, recompute_modules=frozenset({"core_attn"}))
@@ -155,3 +155,21 @@ def test_recomputed_unfused_core_attention_holds_its_softmax_again_in_the_backwa
     freed = (saved_plain["mlp_activations"] + saved_plain["attention_output"]
              - saved_sel["mlp_activations"] - saved_sel["attention_output"])
     assert piece_sel - piece_plain == pytest.approx(2 * scores + freed, rel=1e-12)
+
+
+def test_unfused_bf16_softmax_backward_piece_is_three_score_tensors_and_two_residual_gradients():
+    # What the s11 memory peaks replayed (2 x H200, GPT-2.7B and Llama-8B layers, local spec, no Apex) at the
+    # last layer's core-attention backward: beyond the saved activations, three more b x n x s x s bf16 tensors
+    # (autograd's CopySlices for the in-place masked_fill_ on a view: incoming gradient, result buffer,
+    # contiguous clone, masked_fill output, with the softmax output already freed) and two h-wide gradients on
+    # the residual stream; the layer's MLP tensors and the projection's input are freed by then.
+    o = ActivationOptions(transformer_impl="local", unfused_attention=True, masked_softmax_fusion=False)
+    mbs, s, h = 4, 2048, 4096
+    saved = layer_activation_terms(LLAMA3_8B, s, mbs, False, o)
+    piece = layer_backward_working_pieces(LLAMA3_8B, s, mbs, False, o, saved)[1]
+    scores = 2.0 * 32 * mbs * s * s  # one bf16 score tensor: 1 GiB here
+    residual_grads = 2 * 2.0 * h * mbs * s
+    freed = saved["mlp_activations"] + saved["attention_output"]
+    assert piece == pytest.approx(3 * scores + residual_grads - freed, rel=1e-12)
+    # Measured on P_llama8l_pp2_mb8's rank 0: 3.125 GiB allocated by the autograd thread at the peak
+    assert (3 * scores + residual_grads) / 2**30 == pytest.approx(3.125, rel=1e-3)

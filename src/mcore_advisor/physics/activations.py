@@ -366,8 +366,10 @@ def layer_backward_working_pieces(shape: ModelShape, seq_length: int, micro_batc
     First: gradient tensors in flight (of fc1's output and fc2's input, and three on the residual
     stream), the SP all-gather of a GEMM input for its weight gradient and the largest bf16
     weight-gradient tensor (no gradient-accumulation fusion). Second, for unfused attention only:
-    the fp32 softmax backward (grad in, grad out and the saved output live together: 12 B/score at
-    the softmax backward vs 6 saved, while the layer's MLP tensors are already freed).
+    the softmax's backward (`softmax_bytes_per_score`'s live bytes: 12 B/score in fp32, 8 B in bf16),
+    while the layer's MLP tensors and their gradients are already freed and two gradients remain on
+    the residual stream (the s11 memory peaks: 3.125 GiB from the autograd thread at Llama-8B layers'
+    peak = three 1 GiB score tensors + two 64 MiB gradients).
     """
     c = _tokens(seq_length, micro_batch_size, o)
     t, h = o.tp, anatomy(shape).hidden_size
@@ -397,7 +399,7 @@ def layer_backward_working_pieces(shape: ModelShape, seq_length: int, micro_batc
         # the softmax output it needs is live again beside the gradients (s10, 4 x H200, GPT 2.7B layers at 2k
         # tokens without TE: 15.95 GiB measured, 13.61 predicted while this piece was left out)
         held = live if "core_attn" in o.recompute_modules else live - per_saved
-        pieces += (heads * c.scores_per_head * held - freed + grads,)
+        pieces += (heads * c.scores_per_head * held - freed + 2 * 2.0 * h * c.tok / c.sp_div,)
     return pieces
 
 
