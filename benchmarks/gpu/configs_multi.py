@@ -571,11 +571,38 @@ def peak_spec_lines() -> list[dict]:
              "spec": job_spec(p, **RUN_PEAK), "env": {"MCORE_ADVISOR_MEMORY_PEAK": "1"}} for name, p, n in peak_rows()]
 
 
+#: the twelfth set (session s11, issue 15): with Transformer Engine, the MoE rows still furthest off, traced again
+#: (their s7/s8 traces were not kept): two one-GPU fine-grained rows with forced routing whose GPU idled half the
+#: step where the model hides the host, and the 8-expert EP2 FP8 row (-27%) with its bf16 twin, every rank traced
+RUN_T = {"warmup_steps": 1, "measure_steps": 6, "profile_steps": (5, 5)}
+
+
+def te_trace_rows() -> list[tuple[str, Plan, int]]:
+    forced = {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", "moe_router_force_load_balancing": True}
+    grouped, ep2 = {"moe_grouped_gemm": True}, {"expert_model_parallel_size": 2}
+    return [
+        ("T_qwen30like_e128k8_s4k_mbs4_forced", plan(QWEN30_F, 1, seq=4096, gbs=16, mbs=4, impl=forced), 1),
+        ("T_gptossrank_e64k2_s4k_forced", plan(GPTOSS_RANK_F, 1, seq=4096, gbs=8, mbs=1, impl=forced), 1),
+        ("T_moe8top2_ep2_alltoall_fp8delayed", plan(MOE8_L, 2, seq=4096, gbs=16, mbs=4, par=ep2, train=DELAYED,
+                                                    impl=grouped), 2),
+        ("T_moe8top2_ep2_alltoall_bf16", plan(MOE8_L, 2, seq=4096, gbs=16, mbs=4, par=ep2, impl=grouped), 2),
+    ]
+
+
+def te_trace_spec_lines() -> list[dict]:
+    out = []
+    for name, p, n in te_trace_rows():
+        spec = job_spec(p, **RUN_T)
+        spec["megatron_argv"] = _every_rank_traced(spec["megatron_argv"], n)
+        out.append({"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": True, "spec": spec})
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -586,13 +613,15 @@ def main(argv: list[str] | None = None) -> None:
                          "ranks: two N MoE plans with every rank traced; "
                          "local_more: the G_* plans (GPT-3 style without Transformer Engine); "
                          "mla: the A_* plans (DeepSeek-V2-Lite's MLA, dense and MoE, without Transformer Engine); "
-                         "peak: the P_* plans (GPT-2.7B layers without TE, what is live at the memory peak)")
+                         "peak: the P_* plans (GPT-2.7B layers without TE, what is live at the memory peak); "
+                         "te_trace: the T_* plans (the TE MoE rows furthest off, every rank traced)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
                  "mask": mask_spec_lines, "cache": cache_spec_lines, "validate": validate_spec_lines,
                  "local": local_spec_lines, "ranks": ranks_spec_lines,
-                 "local_more": local_more_spec_lines, "mla": mla_spec_lines, "peak": peak_spec_lines}.get(
+                 "local_more": local_more_spec_lines, "mla": mla_spec_lines, "peak": peak_spec_lines,
+                 "te_trace": te_trace_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None

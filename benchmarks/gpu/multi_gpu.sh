@@ -44,7 +44,7 @@ rows() {  # every row of $SPECS that no call of this lease started yet, in file 
   local todo
   todo=$(python3 -c "import json,os,sys; done=set(os.listdir('/tmp/multi_runs')) if os.path.isdir('/tmp/multi_runs') else set(); print(','.join(r['name'] for r in map(json.loads, open(sys.argv[1])) if r['name'] not in done))" $SPECS)
   stamp "rows to run: $todo"
-  [ -n "$todo" ] && python3 $HERE/runner.py --out "$OUT/real" --specs $SPECS --names "$todo" --share-multi \
+  [ -n "$todo" ] && python3 $HERE/runner.py --out "$OUT/real" --specs $SPECS --names "$todo" --share-multi --solo "${SOLO:-}" \
     --gpus "$(nvidia-smi -L | wc -l)" --deadline-s $(( $(left) - ${RUN_TIMEOUT_S:-90} - 12 )) --run-timeout-s ${RUN_TIMEOUT_S:-90} --work /tmp/multi_runs \
     --traces ${TRACES:-tp4_sp,tp4_sp_tpoverlap,moe8top2_ep4_alltoall,moe64top8_ep4_alltoall,dp4_distopt_overlap,pp4_vp2,cp4_s16k}
 }
