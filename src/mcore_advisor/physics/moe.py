@@ -103,19 +103,21 @@ fused dispatch and one fused combine call, setup_metadata's topk, indices-to-mul
 taken as the allgather's."""
 
 GROUPED_EXPERTS_HOST_KERNELS = (9.3, 23.5)
-PER_EXPERT_HOST_KERNELS = {True: (0.14, 2.94), False: (4.7, 12.4)}
+PER_EXPERT_HOST_KERNELS = {True: (0.22, 4.13), False: (4.7, 12.4)}
 """Routed experts. TEGroupedMLP (moe_grouped_gemm): two calls of TE's GroupedLinear + the weighted
 activation (fixed: traces 10.0 and 14.5 Linear calls forward, 5.4 and 11.5 backward nodes beyond the
 per-expert share) and per local expert: TE's general_grouped_gemm issues one cuBLAS GEMM per expert and
 per GEMM input (2 launches backward, dgrad + wgrad) plus the two expert weights' gradient-accumulation
-nodes (every expert's weight is its own parameter). Per expert (s9, rank-0 trace of C_qwen30like_e128k8_s4k:
-128 local experts on one GPU, host-bound, so op durations are host time; benchmarks/results/
-gpu_h200x4_C_runs.jsonl): _GroupedLinear 24.5 us per expert and call forward, its backward 57 us, each
-weight's AccumulateGrad node 21.6 us; less that iteration's heuristic-cache misses (12% of the row counts
-new, heuristic_miss_share's cost, 85 us each in that run): 14 / 36 us per call, 28 us forward and 115 us
-backward per expert and micro-batch, which the row's host probe (4.78 ms per reference layer) prices at
-0.14 forward and 2.94 backward units. The s4 traces' earlier 0.9 / 4.6 came from routing as is, their
-heuristic queries included. SequentialMLP runs each expert's MLP module in a Python loop: fc1,
+nodes (every expert's weight is its own parameter). Per expert and micro-batch (s11, rank-0 trace of
+T_qwen30like_e128k8_s4k_mbs4_forced: 128 local experts on one H200, forced routing, so 0.2% of the expert GEMMs
+missed the heuristics cache, host-bound, so op durations are host time; benchmarks/results/gpu_h200x2_T_runs.jsonl):
+_GroupedLinear 3.1 ms a call (128 GEMMs issued ~23 us apart, two calls) = 56 us forward; _GroupedLinearBackward
+7.2 ms a call (256 GEMMs) and the two weights' AccumulateGrad nodes 40 us each (mean) = 198 us backward, which the
+row's host probe (5.85 ms per reference layer) prices at 0.22 forward and 4.13 backward units. The held-out
+GPT-OSS rank of the same lease (64 experts, hidden 2,880) issues its GEMMs 28-30 us apart. The s9 figures
+(0.14 / 2.94, C_qwen30like_e128k8_s4k) had subtracted that row's heuristic-cache misses at the isolated query's
+cost from the same per-call times, which this miss-free trace shows were not in them; the s4 traces' 0.9 / 4.6
+came from routing as is, their heuristic queries included. SequentialMLP runs each expert's MLP module in a Python loop: fc1,
 the weighted SwiGLU (a torch.compile'd function: a Dynamo cache lookup per call), fc2, and backward two
 Linear nodes, the activation's and two gradient-accumulation nodes per expert: 6.27 Linear calls forward
 and 4.46 Linear backward nodes per expert (the period between successive experts' fc1 calls, median, rank-0
