@@ -598,11 +598,42 @@ def te_trace_spec_lines() -> list[dict]:
     return out
 
 
+#: the thirteenth set (session s11, issues 20/14): the memory model's unfused-attention branches no run had measured
+#: (fp32 softmax, attention and hidden dropout, 4k keys, selective recompute at PP2), without TE on 4 GPUs, predicted
+#: at the committed code before they ran; the fp32 row also records what is live at its peak
+def local_check_rows() -> list[tuple[str, Plan, int]]:
+    local = LOCAL_NO_APEX
+    fp32 = {**local, "attention_softmax_in_fp32": True}
+    drop = {"attention_dropout": 0.1, "hidden_dropout": 0.1}
+    tp2, tp4 = {"tensor_model_parallel_size": 2}, {"tensor_model_parallel_size": 4}
+    return [
+        ("Q_gpt27_dp4_fp32softmax", plan(GPT27_L, 4, seq=2048, gbs=16, mbs=4, impl=fp32), 4),
+        ("Q_gpt27_tp2_dropout", plan(GPT27_L, 4, seq=2048, gbs=16, mbs=4, par=tp2, impl=local, train=drop), 4),
+        ("Q_llama8l_tp4_s4k", plan(LLAMA_L, 4, seq=4096, gbs=8, mbs=2, par=tp4, impl=local), 4),
+        ("Q_gpt67_pp2_dp2_sel", plan(GPT67_L, 4, seq=2048, gbs=32, mbs=4, par={"pipeline_model_parallel_size": 2, **SEL},
+                                     impl=local), 4),
+        ("Q_gpt27_tp4_fp32_dropout", plan(GPT27_L, 4, seq=2048, gbs=16, mbs=8, par=tp4, impl=fp32, train=drop), 4),
+        ("Q_llama8l_dp4_s4k", plan(LLAMA_L, 4, seq=4096, gbs=8, mbs=1, impl=local), 4),
+    ]
+
+
+def local_check_spec_lines() -> list[dict]:
+    out = []
+    for name, p, n in local_check_rows():
+        peak = name == "Q_gpt27_dp4_fp32softmax"
+        row = {"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": False,
+               "spec": job_spec(p, **(RUN_PEAK if peak else RUN_N))}
+        if peak:
+            row["env"] = {"MCORE_ADVISOR_MEMORY_PEAK": "1"}
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -614,14 +645,15 @@ def main(argv: list[str] | None = None) -> None:
                          "local_more: the G_* plans (GPT-3 style without Transformer Engine); "
                          "mla: the A_* plans (DeepSeek-V2-Lite's MLA, dense and MoE, without Transformer Engine); "
                          "peak: the P_* plans (GPT-2.7B layers without TE, what is live at the memory peak); "
-                         "te_trace: the T_* plans (the TE MoE rows furthest off, every rank traced)")
+                         "te_trace: the T_* plans (the TE MoE rows furthest off, every rank traced); "
+                         "local_check: the Q_* plans (unfused attention's fp32 softmax, dropout, 4k keys without TE)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
                  "mask": mask_spec_lines, "cache": cache_spec_lines, "validate": validate_spec_lines,
                  "local": local_spec_lines, "ranks": ranks_spec_lines,
                  "local_more": local_more_spec_lines, "mla": mla_spec_lines, "peak": peak_spec_lines,
-                 "te_trace": te_trace_spec_lines}.get(
+                 "te_trace": te_trace_spec_lines, "local_check": local_check_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None
