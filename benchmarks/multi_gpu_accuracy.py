@@ -66,8 +66,8 @@ def main() -> None:
     lines += score(probe, "sets with the job's host probe (L, R, S, R2, M, C, V)")
     # without Transformer Engine the job's probe times torch modules, which as_ran does not read: the N set is
     # predicted on the catalog's host figure, as a user's plan is
-    lines += score([x for x in scored if x[0] in ("gpu_h100x4_N", "gpu_h100x4_N2", "gpu_h200x4_G", "gpu_h200x2_P", "gpu_h200x2_P2")],
-                   "Megatron-LM without Transformer Engine (N, N2 on H100; G, P, P2 on H200), the catalog's host figure")
+    lines += score([x for x in scored if x[0] in ("gpu_h100x4_N", "gpu_h100x4_N2", "gpu_h200x4_G", "gpu_h200x2_P", "gpu_h200x2_P2", "gpu_h200x4_Q")],
+                   "Megatron-LM without Transformer Engine (N, N2 on H100; G, P, P2, Q on H200), the catalog's host figure")
     lines += score(scored, "every multi-GPU row")
     OUT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-30:]))

@@ -162,7 +162,10 @@ def softmax_bytes_per_score(o: ActivationOptions, heads_per_rank: int, seq_k: fl
       backward before it holds 6). Measured (s11, 2 x H200, GPT-2.7B layers at 2k tokens, the memory
       peak replayed): four score-sized bf16 tensors live at the last layer's backward.
     - PyTorch softmax in fp32: `.float()` copy, softmax saves its fp32 output (4 B) and the bf16 copy
-      the PV matmul saves (2 B) = 6 B; its backward holds fp32 output and gradients in and out: 12 B.
+      the PV matmul saves (2 B) = 6 B. At its backward's peak the fp32 output and three fp32 score-sized
+      gradient tensors are live (16 B; the bf16 copy is freed by then): measured (s11, 4 x H200, GPT-2.7B
+      layers at 2k tokens, Q_gpt27_dp4_fp32softmax's replayed peak: 8 x 2 GiB softmax outputs and 3 x 2 GiB
+      from the autograd thread); an op-by-op CPU trace of the same ops holds one gradient fewer (12 B).
     With attention dropout p > 0 (torch.nn.Dropout, skipped at p = 0) the dropout keeps a 1-byte mask
     and the PV matmul saves the dropped bf16 output instead of the softmax's bf16 one.
     """
@@ -172,7 +175,7 @@ def softmax_bytes_per_score(o: ActivationOptions, heads_per_rank: int, seq_k: fl
     if fused:
         out, live = 2.0, 4.0
     elif fp32:
-        out, live = 4.0, 12.0
+        out, live = 4.0, 16.0
     else:
         out, live = 2.0, 8.0
     pv_input = 2.0 if (fp32 or o.attention_dropout > 0) else 0.0  # a bf16 tensor besides the softmax output
@@ -366,7 +369,7 @@ def layer_backward_working_pieces(shape: ModelShape, seq_length: int, micro_batc
     First: gradient tensors in flight (of fc1's output and fc2's input, and three on the residual
     stream), the SP all-gather of a GEMM input for its weight gradient and the largest bf16
     weight-gradient tensor (no gradient-accumulation fusion). Second, for unfused attention only:
-    the softmax's backward (`softmax_bytes_per_score`'s live bytes: 12 B/score in fp32, 8 B in bf16),
+    the softmax's backward (`softmax_bytes_per_score`'s live bytes: 16 B/score in fp32, 8 B in bf16),
     while the layer's MLP tensors and their gradients are already freed and two gradients remain on
     the residual stream (the s11 memory peaks: 3.125 GiB from the autograd thread at Llama-8B layers'
     peak = three 1 GiB score tensors + two 64 MiB gradients).
