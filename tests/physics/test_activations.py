@@ -173,3 +173,18 @@ def test_unfused_bf16_softmax_backward_piece_is_three_score_tensors_and_two_resi
     assert piece == pytest.approx(3 * scores + residual_grads - freed, rel=1e-12)
     # Measured on P_llama8l_pp2_mb8's rank 0: 3.125 GiB allocated by the autograd thread at the peak
     assert (3 * scores + residual_grads) / 2**30 == pytest.approx(3.125, rel=1e-3)
+
+
+def test_unfused_fp32_softmax_backward_piece_holds_three_fp32_gradients_beyond_its_output():
+    # --attention-softmax-in-fp32 saves the fp32 output (4 B) and the PV matmul's bf16 copy (2 B); at the peak of
+    # the backward the copy is freed and three fp32 gradients stand beside the output (Q_gpt27_dp4_fp32softmax,
+    # s11, 4 x H200: 6.08 GiB from the autograd thread = 3 x 2 GiB + two residual gradients): 10 B beyond what is saved.
+    o = ActivationOptions(transformer_impl="local", unfused_attention=True, masked_softmax_fusion=False,
+                          attention_softmax_in_fp32=True)
+    mbs, s, h = 4, 2048, 4096
+    saved = layer_activation_terms(LLAMA3_8B, s, mbs, False, o)
+    piece = layer_backward_working_pieces(LLAMA3_8B, s, mbs, False, o, saved)[1]
+    scores = 32 * mbs * s * s
+    assert saved["attention_scores"] == 6 * scores
+    freed = saved["mlp_activations"] + saved["attention_output"]
+    assert piece == pytest.approx(10 * scores + 2 * 2.0 * h * mbs * s - freed, rel=1e-12)
