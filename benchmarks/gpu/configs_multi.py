@@ -57,6 +57,8 @@ MOE8_L = {**MOE8, "num_layers": 8, "hidden_size": 2048, "ffn_hidden_size": 5632,
 MOE64_L = {**MOE8_L, "num_experts": 64, "moe_router_topk": 8, "moe_ffn_hidden_size": 1408}
 RUN_L = {"warmup_steps": 1, "measure_steps": 6, "profile_steps": (3, 3)}
 RUN_PEAK = {"warmup_steps": 2, "measure_steps": 5, "profile_steps": (4, 4)}
+#: the job's switch that replays what is live at iteration 2's memory peak (launcher/entry/mem_peak.py)
+MEMORY_PEAK_ENV = {"MCORE_ADVISOR_MEMORY_PEAK": "1"}
 
 
 def held_out(name: str) -> bool:
@@ -267,7 +269,7 @@ def routing_spec_lines(n: int) -> list[dict]:
         row = {"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": True,
                "spec": job_spec(p, **(RUN_PEAK if peak else RUN_L))}
         if peak:  # the history is recorded in iteration 2: a warm-up iteration in these rows
-            row["env"] = {"MCORE_ADVISOR_MEMORY_PEAK": "1"}
+            row["env"] = dict(MEMORY_PEAK_ENV)
         out.append(row)
     return out
 
@@ -465,9 +467,17 @@ def local_rows() -> list[tuple[str, Plan, int]]:
     ]
 
 
+def _line(name: str, p: Plan, n: int, run: dict, *, te: bool, every_rank: bool = False, env: dict | None = None) -> dict:
+    """One row of a spec file: the job's spec for plan p on n GPUs (every rank traced when asked) and its switches."""
+    spec = job_spec(p, **run)
+    if every_rank:
+        spec["megatron_argv"] = _every_rank_traced(spec["megatron_argv"], n)
+    row = {"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": te, "spec": spec}
+    return {**row, "env": env} if env else row
+
+
 def _no_te_lines(rows: list[tuple[str, Plan, int]]) -> list[dict]:
-    return [{"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": False,
-             "spec": job_spec(p, **RUN_N)} for name, p, n in rows]
+    return [_line(name, p, n, RUN_N, te=False) for name, p, n in rows]
 
 
 def local_spec_lines() -> list[dict]:
@@ -485,14 +495,8 @@ def _every_rank_traced(argv: list[str], ranks: int) -> list[str]:
 
 
 def ranks_spec_lines() -> list[dict]:
-    out = []
-    for name, p, n in local_rows():
-        if name in ("N_moe8top2_ep4_alltoall", "N_moe64top8_ep4_alltoall"):
-            spec = job_spec(p, **RUN_RANKS)
-            spec["megatron_argv"] = _every_rank_traced(spec["megatron_argv"], n)
-            out.append({"name": f"{name}_ranks", "group": "multi", "nproc": n, "held_out": held_out(f"{name}_ranks"),
-                        "needs_te": False, "spec": spec})
-    return out
+    return [_line(f"{name}_ranks", p, n, RUN_RANKS, te=False, every_rank=True) for name, p, n in local_rows()
+            if name in ("N_moe8top2_ep4_alltoall", "N_moe64top8_ep4_alltoall")]
 
 
 #: the ninth set (session s10): more of Megatron-LM without Transformer Engine, on shapes the N set did not use
@@ -567,8 +571,7 @@ def peak_rows() -> list[tuple[str, Plan, int]]:
 
 
 def peak_spec_lines() -> list[dict]:
-    return [{"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": False,
-             "spec": job_spec(p, **RUN_PEAK), "env": {"MCORE_ADVISOR_MEMORY_PEAK": "1"}} for name, p, n in peak_rows()]
+    return [_line(name, p, n, RUN_PEAK, te=False, env=MEMORY_PEAK_ENV) for name, p, n in peak_rows()]
 
 
 #: the twelfth set (session s11, issue 15): with Transformer Engine, the MoE rows still furthest off, traced again
@@ -590,12 +593,7 @@ def te_trace_rows() -> list[tuple[str, Plan, int]]:
 
 
 def te_trace_spec_lines() -> list[dict]:
-    out = []
-    for name, p, n in te_trace_rows():
-        spec = job_spec(p, **RUN_T)
-        spec["megatron_argv"] = _every_rank_traced(spec["megatron_argv"], n)
-        out.append({"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": True, "spec": spec})
-    return out
+    return [_line(name, p, n, RUN_T, te=True, every_rank=True) for name, p, n in te_trace_rows()]
 
 
 #: the thirteenth set (session s11, issues 20/14): the memory model's unfused-attention branches no run had measured
@@ -618,15 +616,9 @@ def local_check_rows() -> list[tuple[str, Plan, int]]:
 
 
 def local_check_spec_lines() -> list[dict]:
-    out = []
-    for name, p, n in local_check_rows():
-        peak = name == "Q_gpt27_dp4_fp32softmax"
-        row = {"name": name, "group": "multi", "nproc": n, "held_out": held_out(name), "needs_te": False,
-               "spec": job_spec(p, **(RUN_PEAK if peak else RUN_N))}
-        if peak:
-            row["env"] = {"MCORE_ADVISOR_MEMORY_PEAK": "1"}
-        out.append(row)
-    return out
+    peak = "Q_gpt27_dp4_fp32softmax"
+    return [_line(name, p, n, RUN_PEAK, te=False, env=MEMORY_PEAK_ENV) if name == peak else _line(name, p, n, RUN_N, te=False)
+            for name, p, n in local_check_rows()]
 
 
 def main(argv: list[str] | None = None) -> None:

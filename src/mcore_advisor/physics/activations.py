@@ -385,7 +385,8 @@ def layer_backward_working_pieces(shape: ModelShape, seq_length: int, micro_batc
         mlp_grads = 2.0 * n_e * (_out_on_rank(e1, o.etp) + _in_on_rank(e2, o.etp))
     else:
         mlp_grads = 2.0 * c.tok * (_out_on_rank(fc1, t) + _in_on_rank(fc2, t))
-    grads = mlp_grads + 3 * 2.0 * h * c.tok / c.sp_div
+    residual_grad = 2.0 * h * c.tok / c.sp_div  # one bf16 gradient on the residual stream
+    grads = mlp_grads + 3 * residual_grad
     gather = 2.0 * h * c.tok if c.sp_div > 1 else 0.0
     # Without gradient-accumulation fusion (it needs Apex; TE-on-gpu.md: Megatron runs here with
     # --no-gradient-accumulation-fusion) each weight gradient is a bf16 tensor added to main_grad:
@@ -402,7 +403,7 @@ def layer_backward_working_pieces(shape: ModelShape, seq_length: int, micro_batc
         # the softmax output it needs is live again beside the gradients (s10, 4 x H200, GPT 2.7B layers at 2k
         # tokens without TE: 15.95 GiB measured, 13.61 predicted while this piece was left out)
         held = live if "core_attn" in o.recompute_modules else live - per_saved
-        pieces += (heads * c.scores_per_head * held - freed + 2 * 2.0 * h * c.tok / c.sp_div,)
+        pieces += (heads * c.scores_per_head * held - freed + 2 * residual_grad,)
     return pieces
 
 

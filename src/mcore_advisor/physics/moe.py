@@ -113,11 +113,13 @@ T_qwen30like_e128k8_s4k_mbs4_forced: 128 local experts on one H200, forced routi
 missed the heuristics cache, host-bound, so op durations are host time; benchmarks/results/gpu_h200x2_T_runs.jsonl):
 _GroupedLinear 3.1 ms a call (128 GEMMs issued ~23 us apart, two calls) = 56 us forward; _GroupedLinearBackward
 7.2 ms a call (256 GEMMs) and the two weights' AccumulateGrad nodes 40 us each (mean) = 198 us backward, which the
-row's host probe (5.85 ms per reference layer) prices at 0.22 forward and 4.13 backward units, less the profiler's own stretch of that step (the traced step 1.107 s against 1.043 s untraced: x 0.94): 0.21 and 3.89. The held-out
-GPT-OSS rank of the same lease (64 experts, hidden 2,880) issues its GEMMs 28-30 us apart. The s9 figures
-(0.14 / 2.94, C_qwen30like_e128k8_s4k) had subtracted that row's heuristic-cache misses at the isolated query's
-cost from the same per-call times, which this miss-free trace shows were not in them; the s4 traces' 0.9 / 4.6
-came from routing as is, their heuristic queries included. SequentialMLP runs each expert's MLP module in a Python loop: fc1,
+row's host probe (5.85 ms per reference layer) prices at 0.22 forward and 4.13 backward units; less the
+profiler's own stretch of that step (1.107 s traced against 1.043 s untraced: x 0.94), 0.21 and 3.89. The
+held-out GPT-OSS rank of the same lease (64 experts, hidden 2,880) issues its GEMMs 28-30 us apart. The s9
+figures (0.14 / 2.94, C_qwen30like_e128k8_s4k) had subtracted that row's heuristic-cache misses at the isolated
+query's cost from the same per-call times, which this miss-free trace shows were not in them; the s4 traces'
+0.9 / 4.6 came from routing as is, their heuristic queries included. SequentialMLP runs each expert's MLP
+module in a Python loop: fc1,
 the weighted SwiGLU (a torch.compile'd function: a Dynamo cache lookup per call), fc2, and backward two
 Linear nodes, the activation's and two gradient-accumulation nodes per expert: 6.27 Linear calls forward
 and 4.46 Linear backward nodes per expert (the period between successive experts' fc1 calls, median, rank-0
