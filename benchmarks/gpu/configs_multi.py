@@ -621,11 +621,41 @@ def local_check_spec_lines() -> list[dict]:
             for name, p, n in local_check_rows()]
 
 
+#: the fourteenth set (session s12, issue 15): a Qwen3-30B-A3B EP8 rank's MoE block on 2 GPUs (32 experts top-8 at EP2:
+#: 16 local experts of 768, 4,096 rows each at micro-batch 2, as Qwen3-30B-A3B's 128 top-8 at EP8), dropless with forced
+#: routing against Megatron-Bridge's two other settings: the token all-to-alls overlapped by the combined 1F1B schedule
+#: (--overlap-moe-expert-parallel-comm --delay-wgrad-compute) and token drop padded to capacity 1.0; bf16 and FP8-CS
+Q30_RANK = {**QWEN30_F, "num_layers": 8, "num_experts": 32, "moe_router_topk": 8}
+RUN_E = {"warmup_steps": 2, "measure_steps": 6, "profile_steps": (5, 5)}
+
+
+def ep_overlap_rows() -> list[tuple[str, Plan, int]]:
+    base = {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", "moe_permute_fusion": True}
+    forced = {**base, "moe_router_force_load_balancing": True}
+    overlap = {**forced, "overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True}
+    drop = {**base, "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+    ep2 = {"expert_model_parallel_size": 2}
+    rows = []
+    # micro-batch 4 (8,192 rows per expert) keeps the GPU ahead of this VM's host, so the overlap can show;
+    # micro-batch 2 is the published rank's 4,096
+    for tag, train in (("bf16", None), ("fp8cs", TENSORWISE)):
+        for kind, impl in (("forced", forced), ("overlap", overlap), ("droppad", drop)):
+            rows.append((f"E_q30rank_ep2_{kind}_{tag}", plan(Q30_RANK, 2, seq=4096, gbs=64, mbs=4, par=ep2, impl=impl,
+                                                            train=train), 2))
+    for kind, impl in (("forced", forced), ("overlap", overlap)):
+        rows.append((f"E_q30rank_ep2_{kind}_bf16_mbs2", plan(Q30_RANK, 2, seq=4096, gbs=32, mbs=2, par=ep2, impl=impl), 2))
+    return rows
+
+
+def ep_overlap_spec_lines() -> list[dict]:
+    return [_line(name, p, n, RUN_E, te=True) for name, p, n in ep_overlap_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -638,14 +668,16 @@ def main(argv: list[str] | None = None) -> None:
                          "mla: the A_* plans (DeepSeek-V2-Lite's MLA, dense and MoE, without Transformer Engine); "
                          "peak: the P_* plans (GPT-2.7B layers without TE, what is live at the memory peak); "
                          "te_trace: the T_* plans (the TE MoE rows furthest off, every rank traced); "
-                         "local_check: the Q_* plans (unfused attention's fp32 softmax, dropout, 4k keys without TE)")
+                         "local_check: the Q_* plans (unfused attention's fp32 softmax, dropout, 4k keys without TE); "
+                         "ep_overlap: the E_* plans (the all-to-all overlap and token drop on a Qwen3-30B EP8 rank's MoE)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
                  "mask": mask_spec_lines, "cache": cache_spec_lines, "validate": validate_spec_lines,
                  "local": local_spec_lines, "ranks": ranks_spec_lines,
                  "local_more": local_more_spec_lines, "mla": mla_spec_lines, "peak": peak_spec_lines,
-                 "te_trace": te_trace_spec_lines, "local_check": local_check_spec_lines}.get(
+                 "te_trace": te_trace_spec_lines, "local_check": local_check_spec_lines,
+                 "ep_overlap": ep_overlap_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None

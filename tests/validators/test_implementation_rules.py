@@ -310,3 +310,54 @@ def test_grouped_gemm_with_the_local_spec_says_sequential_mlp_runs(kit):
     f = kit.one(_moe(kit, ep=1, transformer_impl="local", moe_grouped_gemm=True), "grouped_gemm_ignored_by_local_spec")
     assert f.severity == "info" and "SequentialMLP" in f.message and "the 8 local experts" in f.message
     assert "grouped_gemm_ignored_by_local_spec" not in [x.code for x in validate(_moe(kit, ep=1, moe_grouped_gemm=True))]
+
+
+# ---- token drop and the combined 1F1B schedule (TransformerConfig.__post_init__'s asserts) ----
+
+
+def test_padding_to_capacity_needs_a_capacity_factor(kit):
+    f = kit.one(_moe(kit, moe_pad_expert_input_to_capacity=True), "pad_needs_capacity_factor")
+    assert f.severity == "error"
+    assert f.fields == ["implementation.moe_pad_expert_input_to_capacity", "implementation.moe_expert_capacity_factor"]
+    assert "moe_expert_capacity_factor" in f.fix
+    assert "pad_needs_capacity_factor" not in kit.codes(_moe(kit, moe_pad_expert_input_to_capacity=True,
+                                                               moe_expert_capacity_factor=1.0))
+
+
+def test_all_to_all_overlap_needs_expert_parallelism_and_alltoall(kit):
+    f = kit.one(_moe(kit, ep=1, overlap_moe_expert_parallel_comm=True), "ep_overlap_needs_ep")
+    assert f.severity == "error" and "expert_model_parallel_size > 1" in f.message
+    g = kit.one(_moe(kit, overlap_moe_expert_parallel_comm=True, moe_token_dispatcher_type="allgather"),
+                "ep_overlap_needs_ep")
+    assert "dispatcher allgather" in g.message and "alltoall" in g.fix
+    assert "ep_overlap_needs_ep" not in kit.codes(_moe(kit, overlap_moe_expert_parallel_comm=True))
+
+
+def test_all_to_all_overlap_refuses_full_recompute(kit):
+    p = kit.plan(model=kit.MIXTRAL, cluster={"num_gpus": 8},
+                 parallelism={"expert_model_parallel_size": 8, "recompute_granularity": "full",
+                              "recompute_method": "uniform", "recompute_num_layers": 1},
+                 implementation={"overlap_moe_expert_parallel_comm": True})
+    f = kit.one(p, "ep_overlap_recompute")
+    assert f.severity == "error" and "parallelism.recompute_granularity" in f.fields
+    assert "moe_act" in f.fix
+
+
+def test_all_to_all_overlap_with_pipeline_needs_the_interleaved_schedule(kit):
+    par = {"expert_model_parallel_size": 4, "pipeline_model_parallel_size": 2}
+    p = kit.plan(model=kit.MIXTRAL, cluster={"num_gpus": 8}, parallelism=par,
+                 implementation={"overlap_moe_expert_parallel_comm": True})
+    f = kit.one(p, "ep_overlap_needs_vp")
+    assert f.severity == "error" and "virtual_pipeline_model_parallel_size" in f.fix
+    q = kit.plan(model=kit.MIXTRAL, cluster={"num_gpus": 8},
+                 parallelism={**par, "virtual_pipeline_model_parallel_size": 2},
+                 implementation={"overlap_moe_expert_parallel_comm": True})
+    assert "ep_overlap_needs_vp" not in kit.codes(q)
+
+
+def test_delay_wgrad_needs_the_overlap(kit):
+    f = kit.one(_moe(kit, delay_wgrad_compute=True), "delay_wgrad_needs_overlap")
+    assert f.severity == "error" and f.fields[0] == "implementation.delay_wgrad_compute"
+    assert "overlap_moe_expert_parallel_comm true" in f.fix
+    assert "delay_wgrad_needs_overlap" not in kit.codes(_moe(kit, delay_wgrad_compute=True,
+                                                             overlap_moe_expert_parallel_comm=True))

@@ -918,6 +918,17 @@ MOE_IMPL: tuple[Row, ...] = (
        "implementation.moe_token_dispatcher_type (Megatron's default is allgather)", default="allgather", always=True, gate=moe),
     _e(_I + "moe_grouped_gemm", "--moe-grouped-gemm", "store_true",
        "implementation.moe_grouped_gemm: one grouped GEMM for the local experts", default=False, gate=moe),
+    _e(_I + "moe_expert_capacity_factor", "--moe-expert-capacity-factor", "value",
+       "implementation.moe_expert_capacity_factor: each expert takes at most its capacity, the rest dropped", gate=moe),
+    _e(_I + "moe_pad_expert_input_to_capacity", "--moe-pad-expert-input-to-capacity", "store_true",
+       "implementation.moe_pad_expert_input_to_capacity: every expert padded to its capacity (no host sync)",
+       default=False, gate=moe),
+    _e(_I + "overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm", "store_true",
+       "implementation.overlap_moe_expert_parallel_comm: combined 1F1B schedule, token all-to-alls under the other "
+       "micro-batch's compute", default=False, gate=moe),
+    _e(_I + "delay_wgrad_compute", "--delay-wgrad-compute", "store_true",
+       "implementation.delay_wgrad_compute: expert weight gradients run under the backward's dispatch", default=False,
+       gate=moe),
 )
 
 BATCH: tuple[Row, ...] = (

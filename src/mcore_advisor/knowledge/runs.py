@@ -511,6 +511,11 @@ def _implementation_args(run: PublishedRun, a: list[str]) -> dict:
         out["moe_token_dispatcher_type"] = "flex"
     elif "a2a" in notes_l or "alltoall" in notes_l:
         out["moe_token_dispatcher_type"] = "alltoall"
+    if "a2a overlap" in notes_l:
+        # the row's '1F1B A2A overlap': Megatron's combined 1F1B schedule, with the expert weight gradients
+        # delayed under the backward's dispatch as the recipes that switch it on do (Bridge's moe_a2a_overlap)
+        out.update(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+        a.append("1F1B A2A overlap as --overlap-moe-expert-parallel-comm with --delay-wgrad-compute")
     if "megatron-fsdp on" in notes_l:
         # Megatron-LM's own FSDP (--use-megatron-fsdp), not torch FSDP2 (which rejects EP).
         out["use_megatron_fsdp"] = True

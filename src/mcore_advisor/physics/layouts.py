@@ -68,6 +68,10 @@ class Implementation:
     moe_router_force_load_balancing: bool = False
     moe_permute_fusion: bool = False
     create_attention_mask_in_dataloader: bool = True
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
     moe_routing_imbalance: float | None = None
     moe_expert_load_cv: float | None = None
     moe_heuristic_miss_share: float | None = None

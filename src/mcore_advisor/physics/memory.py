@@ -74,7 +74,7 @@ from mcore_advisor.physics.layouts import (
     StageTable,
     stage_split,
 )
-from mcore_advisor.physics.moe import busiest_rank_load, expert_load_cv
+from mcore_advisor.physics.moe import busiest_rank_load, capacity_capped, expert_load_cv
 from mcore_advisor.schemas import ModelShape, Plan, layers_per_stage
 
 GIB = 1024**3
@@ -342,9 +342,12 @@ def moe_token_imbalance(shape: ModelShape, impl: Implementation, ep: int) -> flo
     many micro-batches every rank is the busiest one in some: every rank's expert activations are sized
     for it (2 x H100 EP2 runs: the router as is peaks 0.6-0.8 GiB above its forced-balance twin)."""
     if impl.moe_routing_imbalance is not None:
-        return float(impl.moe_routing_imbalance)
-    cv = expert_load_cv(impl.moe_router_force_load_balancing, impl.moe_expert_load_cv)
-    return float(busiest_rank_load(shape, ep, cv))
+        load = float(impl.moe_routing_imbalance)
+    else:
+        load = float(busiest_rank_load(shape, ep, expert_load_cv(impl.moe_router_force_load_balancing,
+                                                                  impl.moe_expert_load_cv)))
+    pad = impl.moe_pad_expert_input_to_capacity and impl.moe_expert_capacity_factor is not None
+    return float(capacity_capped(load, impl.moe_expert_capacity_factor, pad))
 
 
 @lru_cache(maxsize=65536)
@@ -588,6 +591,11 @@ def _activations(b: LayoutBatch, st: StageTable, act: ActivationTable, R: np.nda
     per_mb = per_mb + np.where(st.first, 16.0 * tok, 0.0)  # token and position ids kept for the embedding backward
     infl = in_flight_microbatches(b.pp, b.vp, st.rank, b.num_microbatches)
     acts = infl * per_mb
+    if b.impl.overlap_moe_expert_parallel_comm and b.shape.is_moe:
+        # the combined 1F1B schedule runs layer j's forward (next micro-batch) beside layer n-1-j's backward:
+        # one layer more than the n a micro-batch keeps is alive at the backward's peak
+        # (models/common/model_chunk_schedule_plan.py; E_q30rank_ep2_overlap rows: +0.55-1.0 GiB over their twins)
+        acts = acts + per_layer
     # final norm input + output-layer input; labels, mask; the MTP layers' activations
     acts = acts + np.where(st.last, 2.0 * h * tok / sp_div * 2 + 12.0 * tok, 0.0)
     acts = acts + np.where(st.last, act.mtp * mbs, 0.0)

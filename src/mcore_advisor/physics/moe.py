@@ -127,6 +127,17 @@ trace of F_qwen30like_e128k8_s4k_sequential: 128 local experts on one H100, sess
 gpu_h100_F_runs.jsonl). Calibration: the only SequentialMLP trace; that row went from -47% to the figure in
 throughput_accuracy.txt section 5."""
 
+FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS = (0.41, 2.5)
+"""Per local expert and micro-batch, what FP8 with current scaling (--fp8-recipe tensorwise) adds to TEGroupedMLP's
+host launches: each expert's GEMM inputs quantized on their own (an amax, a scale and a cast kernel each, with
+their output tensors allocated), forward and in backward for the gradients. From the rank-0 trace of
+E_q30rank_ep2_forced_fp8cs (s12/17, 2 x H200, 16 local experts, host probe 4.85 ms): per _GroupedLinear call
+61.5 cudaLaunchKernel, 67 aten::empty and 36 aten::select that the bf16 call does not make, 0.72 ms forward and
+0.84 ms per _GroupedLinearBackward, two calls per layer: 0.43 / 2.64 units per expert, less the profiler's 6%
+stretch. Only the ops the profiler names are counted (a lower bound: TE's own C++ between them is not); the
+held-out bf16 twin's trace (E_q30rank_ep2_forced_bf16, s12/15), a check and not a source, puts the whole per-call
+difference at 0.61 / 4.3 units at its probe."""
+
 MOE_HOST_SYNCS = {"alltoall": 1.0, "allgather": 2.0, "flex": 1.0}
 """Host syncs per MoE layer and micro-batch (forward; the backward has none: no cudaStreamSynchronize,
 cudaEventSynchronize or blocking copy on the autograd thread of any trace). alltoall: the token counts
@@ -143,6 +154,16 @@ POST_SYNC_HOST_SHARE = 0.5
 collectives and the experts come after it. Call order in token_dispatcher.py (alltoall): the counts and
 their copies and permute 1 come before the sync, both sort_chunks_by_idxs and the unpermute after it:
 (3.3 of the dispatcher's 5.1 forward units + about 0.3 of the permute's 5, by op count) / 10.1 = 0.48."""
+
+COMBINED_1F1B_HOST_KERNELS = 25.0
+"""Host launches the combined 1F1B schedule (--overlap-moe-expert-parallel-comm) adds per MoE layer and micro-batch
+(forward units): each layer's forward and backward split into schedule-plan nodes (pre-dispatch, dispatch, mlp,
+combine) run from Python on two streams, every node's tensors detached and re-attached, its backward an
+autograd call of its own, events recorded and waited between the streams. Chosen on the two E rows outside the
+held-out third (2 x H200, s12: E_q30rank_ep2_overlap_fp8cs and _overlap_bf16_mbs2, -21.9% / -20.5% without it,
+-4% / +3% at 25); the held-out E_q30rank_ep2_overlap_bf16 (two leases' calls) checks it. Its rank-0 trace puts
+the GPU's host-late idle 290 ms a step (4.5 ms a layer, ~17 units) above its dropless twin's, whose all-to-alls
+the overlap hides: on this VM host the schedule is no faster than the plain one (1.84-1.98 s against 1.80-1.89 s)."""
 
 GRAPHED_LAUNCHES = 1.0
 """A captured part replays as one graph launch (torch.cuda.CUDAGraph.replay)."""
@@ -318,6 +339,7 @@ class MoeKit:
     nvlink_hop_s: float
     network_hop_s: float
     ref_units: tuple[float, float]  # host units (forward, backward) that cost one reference layer's host time
+    overlap_tax: float  # OVERLAP_SM_TAX: compute slowdown per second of communication hidden behind it
 
 
 def _aux_loss_on(shape) -> bool:
@@ -383,12 +405,31 @@ def permute(c, kit: MoeKit) -> dict:
     return {"ew_f": (bytes_f + sort) / c.bw_ew, "ew_b": ew_b, "kernels": PERMUTE_HOST_KERNELS[fused]}
 
 
+def load_factor(c) -> Any:
+    """The busiest EP rank's load over the balanced share as the experts compute it: routing_imbalance
+    dropless; capped at the capacity factor where experts drop (--moe-expert-capacity-factor: no expert takes
+    more than capacity = tokens x k / E x factor of a rank's tokens); exactly the factor padded
+    (--moe-pad-expert-input-to-capacity: every expert receives its capacity from every rank, padding included;
+    token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess)."""
+    return capacity_capped(routing_imbalance(c), c.impl.moe_capacity_factor, c.impl.moe_pad_to_capacity)
+
+
+def capacity_capped(load, capacity_factor: float | None, pad: bool):
+    """An expert load (over the balanced share) as the capacity factor leaves it: unchanged dropless, capped
+    at the factor where experts drop, the factor itself where they are padded to capacity."""
+    if capacity_factor is None:
+        return load
+    if pad:
+        return np.full_like(np.asarray(load, dtype=np.float64), float(capacity_factor))
+    return np.minimum(load, float(capacity_factor))
+
+
 def tokens_per_expert(c):
     """(tokens through the busiest EP rank's local experts, per local expert, local experts): balanced
-    routing T*k*etp/tp over E/ep experts, times routing_imbalance."""
+    routing T*k*etp/tp over E/ep experts, times load_factor."""
     shape = c.shape
     local = float(shape.num_experts) / c.ep
-    T_exp = c.T * float(shape.moe_router_topk) * c.etp / c.tp * routing_imbalance(c)
+    T_exp = c.T * float(shape.moe_router_topk) * c.etp / c.tp * load_factor(c)
     return T_exp, T_exp / local, local
 
 
@@ -409,8 +450,11 @@ def experts(c, kit: MoeKit) -> dict:
     w_exp = local * kit.local_weights(lw, c.etp) + h * float(shape.num_experts)  # routed experts + router
     acc = kit.wgrad_s(w_exp, len(lw) * local + 1.0, impl, c.bw, c.bw_ew)
     per_f, per_b = PER_EXPERT_HOST_KERNELS[bool(grouped)]
+    if grouped and c.fp8 and impl.fp8_current_scaling:
+        per_f, per_b = per_f + FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS[0], per_b + FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS[1]
     fix_f, fix_b = GROUPED_EXPERTS_HOST_KERNELS if grouped else (0.0, 0.0)
     share = (impl.moe_miss_share if impl.moe_miss_share is not None
+             else 0.0 if impl.moe_pad_to_capacity  # one row count: its six problems stay cached
              else heuristic_miss_share(M_e, expert_load_cv(impl.moe_force_balanced, impl.moe_expert_cv), impl.cublaslt_cache))
     miss = local * share
     per_query = HEURISTIC_QUERY_REF_LAYERS if impl.te else HEURISTIC_QUERY_TORCH_REF_LAYERS
@@ -424,7 +468,7 @@ def experts(c, kit: MoeKit) -> dict:
     per_gemm_f = (fc1[0] + fc2[0]) / (2.0 * groups)  # one expert's fc1 or fc2, forward
     miss_wait_f = 2.0 * miss * np.maximum(0.0, query_s - per_gemm_f)
     return {"gemm_f": n * (fc1[0] + fc2[0]), "gemm_b": n * (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
-            "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "miss_share": share, "miss_wait_f": miss_wait_f,
+            "wgrad_b": n * (fc1[2] + fc2[2]), "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "miss_share": share, "miss_wait_f": miss_wait_f,
             "kernels": (fix_f + per_f * local + 2.0 * miss * query_f, fix_b + per_b * local + 4.0 * miss * query_b)}
 
 
@@ -448,7 +492,7 @@ def dispatch_s(c, kit: MoeKit) -> Any:
     part inside the node crosses NVLink, the rest the rank's NIC; both run at once (the slower sets it)."""
     shape, ep, gpn = c.shape, c.ep, float(c.hw.gpus_per_node)
     h, k = float(shape.hidden_size), float(shape.moe_router_topk)
-    disp = c.T_sp * k * h * 2.0 * routing_imbalance(c)
+    disp = c.T_sp * k * h * 2.0 * load_factor(c)
     if c.impl.moe_dispatcher == "allgather":
         disp = c.T_sp * h * 2.0 * ep
     ep_span = c.etp * ep
@@ -511,9 +555,11 @@ def host_pieces(c, L, parts: dict) -> list:
 
 def host_kernels(c, L, parts: dict) -> tuple:
     """(forward, backward) launches of one MoE layer and micro-batch as the host pays for them
-    (host_pieces), each piece a CUDA graph captures replaced by one launch (GRAPHED_LAUNCHES)."""
+    (host_pieces), each piece a CUDA graph captures replaced by one launch (GRAPHED_LAUNCHES), plus the
+    combined 1F1B schedule's own (COMBINED_1F1B_HOST_KERNELS)."""
     mods = _graphed(c.impl)
-    kf = kb = 0.0
+    kf = COMBINED_1F1B_HOST_KERNELS if c.impl.moe_ep_overlap else 0.0
+    kb = 0.0
     for names, (f, b) in host_pieces(c, L, parts):
         captured = bool(mods & set(names))
         kf, kb = kf + (GRAPHED_LAUNCHES if captured else f), kb + (GRAPHED_LAUNCHES if captured else b)
@@ -521,8 +567,12 @@ def host_kernels(c, L, parts: dict) -> tuple:
 
 
 def host_syncs_per_layer(impl) -> float:
-    """Host syncs per MoE layer and micro-batch (MOE_HOST_SYNCS; none in a layer captured whole)."""
-    return 0.0 if "moe" in _graphed(impl) else MOE_HOST_SYNCS[impl.moe_dispatcher]
+    """Host syncs per MoE layer and micro-batch (MOE_HOST_SYNCS; none in a layer captured whole, none where the
+    alltoall dispatcher pads every expert to its capacity: every split is known on the host,
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize returns at once)."""
+    if "moe" in _graphed(impl) or (impl.moe_pad_to_capacity and impl.moe_dispatcher == "alltoall"):
+        return 0.0
+    return MOE_HOST_SYNCS[impl.moe_dispatcher]
 
 
 def post_sync_kernels_f(c, parts: dict) -> Any:
@@ -531,8 +581,55 @@ def post_sync_kernels_f(c, parts: dict) -> Any:
     if host_syncs_per_layer(c.impl) == 0:
         return 0.0
     local, coll = dispatcher_kernels(c)
-    before = POST_SYNC_HOST_SHARE * (local[0] + parts["permute"]["kernels"][0])
+    # a capacity factor without padding moves the sync before permutation 1 (the dropped routing map's size):
+    # the whole permute and the dispatcher's local work come after it
+    share = 1.0 if c.impl.moe_capacity_factor is not None else POST_SYNC_HOST_SHARE
+    before = share * (local[0] + parts["permute"]["kernels"][0])
     return before + coll[0] + parts["experts"]["kernels"][0]
+
+
+def combined_1f1b_share(c) -> Any:
+    """Share of a rank's layer forwards (and backwards) that Megatron's combined 1F1B schedule
+    (--overlap-moe-expert-parallel-comm) runs beside the other direction: all but the warm-up forwards and
+    the cool-down backwards. PP = 1: the first forward and the last backward of the M micro-batches
+    (schedules.combined_1f1b_schedule_for_no_pipelining); interleaved PP: the first rank's warm-up,
+    2 (PP - 1) + (VP - 1) PP model chunks of its M x VP (schedules.get_pp_rank_microbatches)."""
+    chunks = np.maximum(c.m * c.vp, 1.0)
+    warm = np.where(c.pp > 1, 2.0 * (c.pp - 1.0) + (c.vp - 1.0) * c.pp, 1.0)
+    return np.clip((chunks - np.minimum(warm, chunks)) / chunks, 0.0, 1.0)
+
+
+def ep_overlap_saving(p: dict, a: Any, delay_wgrad: bool, tax: float = 0.0) -> Any:
+    """Seconds the combined 1F1B schedule saves on one layer's forward (one micro-batch) and backward (the
+    previous one) run together, each token all-to-all (`a`: dispatch or combine, one direction) on the
+    communication stream under the other direction's compute
+    (models/common/model_chunk_schedule_plan.TransformerLayerSchedulePlan.run):
+        comm:    combine_bwd      | dispatch_fwd -> dispatch_bwd          | combine_fwd
+        compute: pre_dispatch_fwd | mlp_bwd -> mlp_bwd_dw -> mlp_fwd      | pre_dispatch_bwd
+    mlp_fwd waits for dispatch_fwd, dispatch_bwd for mlp_bwd; with --delay-wgrad-compute mlp_bwd is the
+    experts' data gradients only and their weight gradients (mlp_bwd_dw) run under dispatch_bwd, without it
+    dispatch_bwd waits for both. `p`: the compute pieces (pre_f, pre_b, mlp_f, mlp_b data gradients, mlp_w
+    weight gradients), seconds; `tax`: what each second of hidden communication slows the compute beside it
+    (step_time.OVERLAP_SM_TAX: the all-to-all kernels hold SMs)."""
+    g_b = p["mlp_b"] if delay_wgrad else p["mlp_b"] + p["mlp_w"]
+    w = p["mlp_w"] if delay_wgrad else 0.0
+    phase2 = np.maximum(np.maximum(g_b + w, a) + p["mlp_f"], np.maximum(a, g_b) + a)
+    together = np.maximum(a, p["pre_f"]) + phase2 + np.maximum(a, p["pre_b"])
+    alone = p["pre_f"] + p["pre_b"] + p["mlp_f"] + p["mlp_b"] + p["mlp_w"] + 4.0 * a
+    return (1.0 - tax) * np.maximum(0.0, alone - together)
+
+
+def _overlap_pieces(L, parts: dict, ew_attn_half: Any) -> dict:
+    """The compute pieces of ep_overlap_saving: the attention part with the router and half the permute
+    (pre-dispatch), the experts with the shared experts and the other half (mlp)."""
+    r, pm, ex, sh = parts["router"], parts["permute"], parts["experts"], parts["shared"]
+    pre_f = (L.attn.gemm_f + L.dense["attn_f"] + L.tpa[0] + L.dense["cp_f"] + ew_attn_half
+             + r["gemm_f"] + r["ew_f"] + 0.5 * pm["ew_f"])
+    pre_b = (L.attn.gemm_b + L.dense["attn_b"] + L.tpa[1] + L.dense["cp_b"] + 2.0 * ew_attn_half + L.dense["acc_attn_b"]
+             + r["gemm_b"] + r["ew_b"] + 0.5 * pm["ew_b"])
+    mlp_f = ex["gemm_f"] + ex["ew_f"] + sh["gemm_f"] + sh["ew_f"] + 0.5 * pm["ew_f"]
+    mlp_b = ex["gemm_b"] - ex["wgrad_b"] + ex["ew_b"] + sh["gemm_b"] + sh["ew_b"] + sh["acc_b"] + 0.5 * pm["ew_b"]
+    return {"pre_f": pre_f, "pre_b": pre_b, "mlp_f": mlp_f, "mlp_b": mlp_b, "mlp_w": ex["wgrad_b"] + ex["acc_b"]}
 
 
 def moe_parts(c, kit: MoeKit) -> dict:
@@ -571,6 +668,13 @@ def moe_layer(c, L, kit: MoeKit) -> dict:
     kf, kb = host_kernels(c, L, parts)
     comm = parts["dispatch"]["f"]
     times = moe_part_times(parts)
+    if c.impl.moe_ep_overlap:
+        saved = combined_1f1b_share(c) * ep_overlap_saving(_overlap_pieces(L, parts, ew_attn_half), 0.5 * comm,
+                                                           c.impl.moe_delay_wgrad, kit.overlap_tax)
+        times["dispatch"] = 2.0 * comm - saved
+    else:
+        saved = 0.0
+    ep_exposed = comm - 0.5 * saved  # per direction: the all-to-alls less what runs under the other direction
     gpu = (L.attn.gemm_f + L.attn.gemm_b + L.dense["attn_f"] + L.dense["attn_b"] + L.tpa[0] + L.tpa[1]
            + L.dense["cp_f"] + L.dense["cp_b"] + ew_attn_half * 3.0 + sum(times.values()))
     # the GPU waits for the host where launching the layer takes longer than running it, and at least
@@ -586,7 +690,7 @@ def moe_layer(c, L, kit: MoeKit) -> dict:
         # SP: the MoE layer takes T/tp tokens, so no MLP all-gather/reduce-scatter; without SP the
         # attention half keeps its all-reduce.
         "tp_f": L.tpa[0], "tp_b": L.tpa[1], "cp_f": L.dense["cp_f"], "cp_b": L.dense["cp_b"],
-        "ep_f": comm, "ep_b": comm,
+        "ep_f": ep_exposed, "ep_b": ep_exposed,
         "moe_f": r["gemm_f"] + ex["gemm_f"] + sh["gemm_f"] + ex["ew_f"] + pm["ew_f"] + sh["ew_f"] + 2 * parts["a2a"],
         "moe_act_f": ex["ew_f"],
         "shared_f": sh["gemm_f"] + sh["ew_f"],
@@ -608,5 +712,5 @@ def dominant_part(times: dict) -> tuple[str, float]:
 
 __all__ = ["MoeKit", "cache_row_counts", "che_miss_share", "heuristic_miss_share", "attention_part_kernels", "dispatch_s", "dispatcher_kernels", "dominant_part", "experts",
            "host_kernels", "host_pieces", "host_syncs_per_layer", "moe_layer", "moe_part_times", "moe_parts", "permute",
-           "post_sync_kernels_f", "router", "busiest_rank_load", "expert_load_cv", "routing_imbalance",
+           "post_sync_kernels_f", "router", "busiest_rank_load", "capacity_capped", "combined_1f1b_share", "ep_overlap_saving", "expert_load_cv", "load_factor", "routing_imbalance",
            "shared_experts", "tokens_per_expert"]

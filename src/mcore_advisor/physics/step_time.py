@@ -66,7 +66,9 @@ and global; kernel rates come from micro-benchmarks on this workplace's H100/H20
 are fitted on the one-GPU rows of Megatron-LM's own loop outside the held-out third
 (`benchmarks/throughput_accuracy.py --fit`): the VM hosts' host_floor_ms_per_layer (GPU catalog),
 HOST_SYNC_KERNELS and the PyTorch bf16 softmax path's bytes. MoE routing sets the busiest EP rank's
-load (physics.moe.busiest_rank_load). Not modelled: all-to-all/compute overlap, stragglers at scale,
+load (physics.moe.busiest_rank_load), capped or padded by a capacity factor; --overlap-moe-expert-parallel-comm
+hides the token all-to-alls under the other direction's compute (physics.moe.ep_overlap_saving). Not modelled:
+stragglers at scale,
 cuBLASLt's heuristic warm-up for new expert GEMM shapes (a short run's first iterations: each GEMM shape met
 for the first time costs the host 0.12-0.15 ms median, 0.27-0.30 ms mean, against 0.015 ms once met, on H100:
 benchmarks/results/gpu_h100_gemm_shape_probe.json; as-is routing changes every expert's row count each call).
@@ -606,6 +608,10 @@ class _Impl:
     moe_expert_cv: float | None = None  # measured expert-load spread (physics.moe.expert_load_cv)
     moe_miss_share: float | None = None  # measured expert GEMMs missing cuBLASLt's heuristics cache
     cublaslt_cache: int | None = None  # CUBLASLT_HEURISTICS_CACHE_CAPACITY (None: cuBLASLt's default)
+    moe_capacity_factor: float | None = None  # --moe-expert-capacity-factor (None: dropless)
+    moe_pad_to_capacity: bool = False  # --moe-pad-expert-input-to-capacity (with a capacity factor)
+    moe_ep_overlap: bool = False  # --overlap-moe-expert-parallel-comm (combined 1F1B schedule)
+    moe_delay_wgrad: bool = False  # --delay-wgrad-compute
     ce_fusion: bool = True
     recompute_modules: tuple[str, ...] = ("core_attn",)
     cuda_graph_impl: str = "none"
@@ -641,6 +647,10 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         moe_expert_cv=im.moe_expert_load_cv,
         moe_miss_share=im.moe_heuristic_miss_share,
         cublaslt_cache=im.cublaslt_heuristics_cache_capacity,
+        moe_capacity_factor=im.moe_expert_capacity_factor,
+        moe_pad_to_capacity=im.moe_pad_expert_input_to_capacity and im.moe_expert_capacity_factor is not None,
+        moe_ep_overlap=im.overlap_moe_expert_parallel_comm,
+        moe_delay_wgrad=im.delay_wgrad_compute and im.overlap_moe_expert_parallel_comm,
         ce_fusion=im.cross_entropy_loss_fusion,
         recompute_modules=im.recompute_modules if im.recompute_modules is not None else ("core_attn",),
         cuda_graph_impl=im.cuda_graph_impl,
@@ -1096,7 +1106,7 @@ def _moe_kit() -> MoeKit:
     """This module's primitives for physics.moe (which cannot import them: this module imports it)."""
     return MoeKit(ring_s=_ring_s, ramp=_ramp, wgrad_s=_wgrad_accumulation_s, local_weights=_local_weights, linears=_linears,
                   kernel_s=KERNEL_LAUNCH_S, latency_s=COLLECTIVE_LATENCY_S, nvlink_hop_s=NVLINK_HOP_LATENCY_S,
-                  network_hop_s=NETWORK_HOP_LATENCY_S, ref_units=_ref_units())
+                  network_hop_s=NETWORK_HOP_LATENCY_S, ref_units=_ref_units(), overlap_tax=OVERLAP_SM_TAX)
 
 
 @lru_cache(maxsize=1)
@@ -1208,9 +1218,20 @@ def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
     t_layer_gpu = lay_f + lay_b + lay_rc
     k_f = sum(w * _layer_kernels(c, p)[0] for p, w, _ in kinds)
     k_b = sum(w * _layer_kernels(c, p)[1] for p, w, _ in kinds)
+    k_rc = sum(w * _layer_kernels(c, p)[2] for p, w, _ in kinds)
     # The host launches a layer's kernels one by one (Python, Megatron-Core, TE, the CUDA launch); a
     # layer whose GPU work takes less than that leaves the GPU waiting (HOST_FORWARD_SHARE).
-    host_gap = np.maximum(0.0, c.host_f * k_f + c.host_b * k_b - t_layer_gpu)
+    host_f, host_b = c.host_f * (k_f - k_rc), c.host_f * k_rc + c.host_b * k_b
+    host_gap = np.maximum(0.0, host_f + host_b - t_layer_gpu)
+    if shape.is_moe and host_syncs_per_layer(c.impl) > 0 and not c.impl.moe_ep_overlap:
+        # the dispatcher's sync in every MoE layer's forward keeps the host within a layer of the GPU, so
+        # a forward the host cannot issue as fast as the GPU runs it leaves the GPU idle however much
+        # backward work follows, and the other way round (rank-0 traces of E_q30rank_ep2_forced_bf16,
+        # 2 x H200: forward layers host-bound at 14.5 ms a layer, backward GPU-bound at 12.0; the sync's own
+        # wait after it: sync_wait_f). The combined 1F1B schedule interleaves the two on one host thread.
+        sync_wait = sum(w * p.get("sync_wait_f", 0.0) for p, w, _ in kinds)
+        host_gap = (np.maximum(np.maximum(0.0, host_f - lay_f), sync_wait)
+                    + np.maximum(0.0, host_b - lay_b - lay_rc))
     # an MoE layer's forward heuristic-cache misses stall the GPU even where the layer's host total hides
     miss_wait = sum(w * p.get("miss_wait_f", 0.0) for p, w, _ in kinds)
     host_gap = np.maximum(host_gap, miss_wait)
@@ -1218,14 +1239,14 @@ def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
 
 
 def _layer_kernels(c: _Ctx, p: dict) -> tuple:
-    """(forward + recomputed, backward) kernels one layer launches per micro-batch; recompute reruns
+    """(forward + recomputed, backward, recomputed) kernels one layer launches per micro-batch; recompute reruns
     core attention (selective), half the forward for the 'mlp'/'moe' modules, or the forward (full)."""
     fwd, bwd = p.get("kernels_f", 0.0), p.get("kernels_b", 0.0)
     mods = c.impl.recompute_modules
     sel = p.get("attn_kernels_f", 0.0) if "core_attn" in mods else 0.0
     sel = sel + (0.5 * fwd if ({"mlp", "moe"} & set(mods)) else 0.0)
     rc = np.where(c.recompute == 1, sel, 0.0) + np.where(c.recompute == 2, c.recompute_fraction * fwd, 0.0)
-    return fwd + rc, bwd
+    return fwd + rc, bwd, rc
 
 
 @lru_cache(maxsize=1)

@@ -78,6 +78,9 @@ def _ctx_from_plan(plan: Plan) -> Ctx:
         account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
         cross_entropy_fusion_impl=im.cross_entropy_fusion_impl, cross_entropy_loss_fusion=im.cross_entropy_loss_fusion,
         gradient_accumulation_fusion=im.gradient_accumulation_fusion, masked_softmax_fusion=im.masked_softmax_fusion,
+        moe_expert_capacity_factor=im.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=im.moe_pad_expert_input_to_capacity,
+        overlap_moe_expert_parallel_comm=im.overlap_moe_expert_parallel_comm, delay_wgrad_compute=im.delay_wgrad_compute,
     )
 
 

@@ -61,6 +61,10 @@ PRECISION_AWARE = "implementation.use_precision_aware_optimizer"
 EXP_AVG_DTYPE = "implementation.exp_avg_dtype"
 EXP_AVG_SQ_DTYPE = "implementation.exp_avg_sq_dtype"
 GRAD_REDUCE_FP32 = "implementation.grad_reduce_in_fp32"
+CAPACITY_FACTOR = "implementation.moe_expert_capacity_factor"
+PAD_TO_CAPACITY = "implementation.moe_pad_expert_input_to_capacity"
+EP_OVERLAP = "implementation.overlap_moe_expert_parallel_comm"
+DELAY_WGRAD = "implementation.delay_wgrad_compute"
 
 GIB = 1024**3
 
@@ -131,6 +135,10 @@ class Ctx:
     cross_entropy_loss_fusion: bool = _default(ImplementationSpec, "cross_entropy_loss_fusion")
     gradient_accumulation_fusion: bool = _default(ImplementationSpec, "gradient_accumulation_fusion")
     masked_softmax_fusion: bool = _default(ImplementationSpec, "masked_softmax_fusion")
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
     # derived
     etp: int = field(default=0, init=False)
     vp: int = field(default=1, init=False)  # model chunks per stage actually built (1 unless interleaved)

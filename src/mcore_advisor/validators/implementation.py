@@ -6,10 +6,13 @@ import math
 
 from ._core import (
     ATTENTION_BACKEND,
+    CAPACITY_FACTOR,
     CP,
+    DELAY_WGRAD,
     DISPATCHER,
     DIST_OPT,
     EP,
+    EP_OVERLAP,
     ETP,
     EXP_AVG_DTYPE,
     EXP_AVG_SQ_DTYPE,
@@ -23,8 +26,12 @@ from ._core import (
     MEGATRON_FSDP,
     OVERLAP_GRAD_REDUCE,
     OVERLAP_PARAM_GATHER,
+    PAD_TO_CAPACITY,
     PP,
     PRECISION_AWARE,
+    RECOMPUTE_GRANULARITY,
+    RECOMPUTE_METHOD,
+    RECOMPUTE_MODULES,
     SEQ,
     SHARDING_STRATEGY,
     SP,
@@ -550,4 +557,92 @@ def _te_ce(c: Ctx):
         ["implementation.cross_entropy_fusion_impl", TRANSFORMER_IMPL],
         "cross_entropy_fusion_impl 'te' is Transformer Engine's kernel, which the local spec does not load",
         "set implementation.cross_entropy_fusion_impl native, or transformer_impl transformer_engine",
+    )
+
+
+# ---- MoE token drop and the combined 1F1B schedule (TransformerConfig.__post_init__, token_dispatcher.py) ----
+
+
+@rule(
+    "pad_needs_capacity_factor",
+    "error",
+    AREA,
+    "padding to capacity needs a capacity factor",
+    when=lambda c: c.is_moe and c.moe_pad_expert_input_to_capacity and c.moe_expert_capacity_factor is None,
+)
+def _pad_cf(c: Ctx):
+    # MoEAlltoAllTokenDispatcher.__init__: assert config.moe_expert_capacity_factor is not None
+    return (
+        [PAD_TO_CAPACITY, CAPACITY_FACTOR],
+        "moe_pad_expert_input_to_capacity pads each expert to its capacity, which only a capacity factor defines",
+        "set implementation.moe_expert_capacity_factor (1.0 is Megatron-Bridge's token-drop setting), or "
+        "moe_pad_expert_input_to_capacity false",
+    )
+
+
+@rule(
+    "ep_overlap_needs_ep",
+    "error",
+    AREA,
+    "the all-to-all overlap needs expert parallelism and the alltoall or flex dispatcher",
+    when=lambda c: c.is_moe and c.overlap_moe_expert_parallel_comm
+    and (c.ep == 1 or c.moe_token_dispatcher_type not in ("alltoall", "flex")),
+)
+def _ep_overlap_ep(c: Ctx):
+    return (
+        [EP_OVERLAP, EP, DISPATCHER],
+        f"overlap_moe_expert_parallel_comm is only supported with expert_model_parallel_size > 1 and the alltoall or "
+        f"flex dispatcher (EP {c.ep}, dispatcher {c.moe_token_dispatcher_type})",
+        "set expert_model_parallel_size > 1 and implementation.moe_token_dispatcher_type alltoall, or "
+        "overlap_moe_expert_parallel_comm false",
+    )
+
+
+@rule(
+    "ep_overlap_recompute",
+    "error",
+    AREA,
+    "the all-to-all overlap cannot recompute whole layers or the MoE block",
+    when=lambda c: c.is_moe and c.overlap_moe_expert_parallel_comm
+    and (c.recompute_granularity == "full" or c.recompute_method is not None or "moe" in (c.recompute_modules or ())),
+)
+def _ep_overlap_rc(c: Ctx):
+    return (
+        [EP_OVERLAP, RECOMPUTE_GRANULARITY, RECOMPUTE_METHOD, RECOMPUTE_MODULES],
+        "overlap_moe_expert_parallel_comm needs no full recompute, no recompute_method and no 'moe' in "
+        "recompute_modules (TransformerConfig asserts each)",
+        "use selective recompute of other modules (e.g. moe_act, layernorm), or overlap_moe_expert_parallel_comm false",
+    )
+
+
+@rule(
+    "ep_overlap_needs_vp",
+    "error",
+    AREA,
+    "the all-to-all overlap with pipeline parallelism needs the interleaved schedule",
+    when=lambda c: c.is_moe and c.overlap_moe_expert_parallel_comm and c.pp > 1 and not c.interleaved,
+)
+def _ep_overlap_vp(c: Ctx):
+    return (
+        [EP_OVERLAP, PP, "parallelism.virtual_pipeline_model_parallel_size"],
+        "with pipeline_model_parallel_size > 1, overlap_moe_expert_parallel_comm needs "
+        "virtual_pipeline_model_parallel_size (the combined 1F1B schedule is the interleaved one's)",
+        "set virtual_pipeline_model_parallel_size to 2 or more, or overlap_moe_expert_parallel_comm false",
+    )
+
+
+@rule(
+    "delay_wgrad_needs_overlap",
+    "error",
+    AREA,
+    "delay_wgrad_compute needs the all-to-all overlap and Transformer Engine",
+    when=lambda c: c.delay_wgrad_compute and (not c.overlap_moe_expert_parallel_comm or c.transformer_impl != "transformer_engine"),
+)
+def _delay_wgrad(c: Ctx):
+    return (
+        [DELAY_WGRAD, EP_OVERLAP, TRANSFORMER_IMPL],
+        "delay_wgrad_compute needs overlap_moe_expert_parallel_comm and the Transformer Engine layers "
+        "(TransformerConfig and validate_args assert both)",
+        "set implementation.overlap_moe_expert_parallel_comm true with transformer_impl transformer_engine, or "
+        "delay_wgrad_compute false",
     )

@@ -178,8 +178,10 @@ def loss_func(loss_mask, output_tensor, check_nan: bool = False):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model):
-    """`forward_step_func` for megatron.training: one micro-batch through one model chunk."""
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """`forward_step_func` for megatron.training: one micro-batch through one model chunk. The combined 1F1B
+    schedule (--overlap-moe-expert-parallel-comm) asks for the chunk's schedule plan instead of its output
+    (pipeline_parallel/combined_1f1b.py: GPTModel.build_schedule_plan on the same inputs)."""
     from megatron.core.utils import get_attr_wrapped_model
     from megatron.training import get_timers
 
@@ -189,7 +191,8 @@ def forward_step(data_iterator, model):
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
-    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    run = model.build_schedule_plan if return_schedule_plan else model
+    output = run(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, functools.partial(loss_func, loss_mask, check_nan=bool(args.check_for_nan_in_loss_and_grad))
 
 

@@ -780,7 +780,8 @@ _SETTINGS = (
     "check_for_nan_in_loss_and_grad", "tp_comm_overlap", "fake_process_group", "use_torch_fsdp2",
     "cuda_graph_impl", "cuda_graph_modules", "use_megatron_fsdp", "data_parallel_sharding_strategy",
     "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype", "moe_router_force_load_balancing",
-    "moe_permute_fusion", "create_attention_mask_in_dataloader",
+    "moe_permute_fusion", "create_attention_mask_in_dataloader", "moe_expert_capacity_factor",
+    "moe_pad_expert_input_to_capacity", "overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
 )
 
 
