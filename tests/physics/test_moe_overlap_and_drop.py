@@ -125,3 +125,11 @@ def test_the_overlap_pays_off_only_where_the_host_keeps_up():
     assert vm[1] == pytest.approx(vm[0], rel=0.15)
     metal = [step_time(_plan(x, host=1.0)).iteration_time_s for x in (FORCED, OVERLAP)]
     assert metal[1] < 0.97 * metal[0]
+
+
+def test_the_estimate_says_how_drop_and_overlap_were_timed():
+    said = " ".join(step_time(_plan(DROP)).assumptions)
+    assert "capacity factor 1, padded to capacity: fixed expert rows, no dispatcher sync" in said
+    assert "all-to-alls not overlapped" in said and "permute fused (TE)" in said
+    said = " ".join(step_time(_plan(OVERLAP)).assumptions)
+    assert "dropless" in said and "combined 1F1B schedule hides each all-to-all" in said

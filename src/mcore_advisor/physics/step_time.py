@@ -1598,6 +1598,19 @@ def _moe_summary(plan: Plan, shape: ModelShape, hw: HardwareParams) -> tuple[dic
     return {k: _f(v) for k, v in layer["moe_parts"].items()}, _f(layer["miss_share"])
 
 
+def _moe_assumption(im) -> str:
+    """How the plan's MoE choices were timed: routing load, permute, token drop, the all-to-all overlap."""
+    cf = im.moe_expert_capacity_factor
+    drop = ("dropless" if cf is None else f"capacity factor {cf:g}, " + ("padded to capacity: fixed expert rows, no "
+            "dispatcher sync" if im.moe_pad_expert_input_to_capacity else "dropped tokens, the sync before the permute"))
+    overlap = ("the combined 1F1B schedule hides each all-to-all under the other micro-batch's compute less "
+               "OVERLAP_SM_TAX, at its own host launches (physics.moe.ep_overlap_saving)"
+               if im.overlap_moe_expert_parallel_comm else "all-to-alls not overlapped with compute")
+    return (f"MoE routing: the busiest EP rank's load from physics.moe.routing_imbalance (measured when "
+            f"implementation.moe_routing_imbalance is set); {drop}; token permute "
+            f"{'fused (TE)' if im.moe_permute_fusion else 'unfused'}; {overlap}")
+
+
 def _moe_assumptions(parts: dict[str, float] | None) -> list[str]:
     if not parts:
         return []
@@ -1630,9 +1643,7 @@ def _assumptions(plan: Plan, hw: HardwareParams) -> list[str]:
     if p.tp_comm_overlap and not (p.sequence_parallel and p.tensor_model_parallel_size > 1):
         out.append("tp_comm_overlap ignored: it needs sequence_parallel with TP > 1")
     if plan.model.num_experts or resolve_model(plan.model).is_moe:
-        out.append("MoE routing: the busiest EP rank's load from physics.moe.routing_imbalance (measured when "
-                   "implementation.moe_routing_imbalance is set); token permute unfused (Megatron's "
-                   "default); no all-to-all/compute overlap (--overlap-moe-expert-parallel-comm is not a plan field)")
+        out.append(_moe_assumption(im))
     if im.use_torch_fsdp2 or im.use_megatron_fsdp:
         kind = f"Megatron-FSDP {im.data_parallel_sharding_strategy}" if im.use_megatron_fsdp else "torch FSDP2"
         out.append(f"{kind}: sharded gradients reduce-scattered and sharded weights all-gathered (forward and "
