@@ -131,7 +131,22 @@ def report() -> str:
             lines.append(f"    assumed: {a}")
     lines += ["", f"rows {len(errs)}: median |step error| {100 * statistics.median(errs):.1f}%, "
                   f"max {100 * max(errs):.1f}%, within 20%: {sum(e <= 0.2 for e in errs)}/{len(errs)}"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _host_sensitivity()) + "\n"
+
+
+def _host_sensitivity() -> list[str]:
+    """The same rows on slower bare-metal hosts than knowledge.runs.BARE_METAL_HOST_FLOOR_MS: how much of each
+    error the host speed could carry (not used by the model; the constant is chosen on the published-runs table)."""
+    out = ["", "host sensitivity (step error per row at other bare-metal host speeds, ms per reference layer):"]
+    for host in (2.0, 3.0):
+        errs = []
+        for row in ROWS:
+            plan = plan_of(row)
+            plan = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"host_floor_ms_per_layer": host})})
+            errs.append(100 * (row.tokens_per_s_per_gpu / step_time(plan).tokens_per_s_per_gpu - 1.0))
+        out.append(f"  {host:.1f} ms: " + " ".join(f"{e:+.0f}%" for e in errs)
+                   + f"  (median |err| {statistics.median(abs(e) for e in errs):.1f}%)")
+    return out
 
 
 def main() -> int:
