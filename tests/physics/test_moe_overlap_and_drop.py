@@ -97,9 +97,14 @@ def test_fp8_current_scaling_adds_per_expert_host_launches():
     extra_f = moe.experts(c, kit)["kernels"][0] - moe.experts(b, kit)["kernels"][0]
     extra_b = moe.experts(c, kit)["kernels"][1] - moe.experts(b, kit)["kernels"][1]
     f, bw = moe.FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS
-    assert _one(extra_f) == pytest.approx(16 * f) and _one(extra_b) == pytest.approx(16 * bw)
+    pad_f, pad_b = moe.FP8_EXPERT_PADDING_HOST_KERNELS  # every dropless FP8 recipe pads each expert's rows
+    assert _one(extra_f) == pytest.approx(16 * f + pad_f) and _one(extra_b) == pytest.approx(16 * bw + pad_b)
     d, _ = _ctx(_plan(FORCED, train={"precision": "fp8", "fp8_recipe": "delayed"}))
-    assert _one(moe.experts(d, kit)["kernels"][0]) == pytest.approx(_one(moe.experts(b, kit)["kernels"][0]))
+    assert _one(moe.experts(d, kit)["kernels"][0]) == pytest.approx(_one(moe.experts(b, kit)["kernels"][0]) + pad_f)
+    # padded to capacity, the rows are already aligned: TEGroupedMLP skips the FP8 padding
+    p8, _ = _ctx(_plan(DROP, train={"precision": "fp8", "fp8_recipe": "delayed"}))
+    pb, _ = _ctx(_plan(DROP))
+    assert _one(moe.experts(p8, kit)["kernels"][0]) == pytest.approx(_one(moe.experts(pb, kit)["kernels"][0]))
 
 
 def test_the_sync_keeps_forward_host_time_out_of_the_backward_slack():

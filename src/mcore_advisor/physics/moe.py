@@ -138,6 +138,12 @@ stretch. Only the ops the profiler names are counted (a lower bound: TE's own C+
 held-out bf16 twin's trace (E_q30rank_ep2_forced_bf16, s12/15), a check and not a source, puts the whole per-call
 difference at 0.61 / 4.3 units at its probe."""
 
+FP8_EXPERT_PADDING_HOST_KERNELS = (1.3, 6.6)
+"""Per MoE layer and micro-batch, dropless FP8 with grouped experts: TEGroupedMLP pads every expert's rows to the
+FP8 GEMM's alignment and back (experts.py: two Fp8Padding calls on the tokens and probs, one Fp8Unpadding, each with
+its backward; skipped where the dispatcher pads to capacity). From the rank-0 trace of E_q30rank_ep2_forced_fp8cs
+(s12/17, host probe 4.85 ms): 0.27 ms forward, 0.26 ms backward a layer."""
+
 MOE_HOST_SYNCS = {"alltoall": 1.0, "allgather": 2.0, "flex": 1.0}
 """Host syncs per MoE layer and micro-batch (forward; the backward has none: no cudaStreamSynchronize,
 cudaEventSynchronize or blocking copy on the autograd thread of any trace). alltoall: the token counts
@@ -453,6 +459,8 @@ def experts(c, kit: MoeKit) -> dict:
     if grouped and c.fp8 and impl.fp8_current_scaling:
         per_f, per_b = per_f + FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS[0], per_b + FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS[1]
     fix_f, fix_b = GROUPED_EXPERTS_HOST_KERNELS if grouped else (0.0, 0.0)
+    if grouped and c.fp8 and not impl.moe_pad_to_capacity:
+        fix_f, fix_b = fix_f + FP8_EXPERT_PADDING_HOST_KERNELS[0], fix_b + FP8_EXPERT_PADDING_HOST_KERNELS[1]
     share = (impl.moe_miss_share if impl.moe_miss_share is not None
              else 0.0 if impl.moe_pad_to_capacity  # one row count: its six problems stay cached
              else heuristic_miss_share(M_e, expert_load_cv(impl.moe_force_balanced, impl.moe_expert_cv), impl.cublaslt_cache))
