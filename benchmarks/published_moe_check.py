@@ -21,7 +21,7 @@ from pathlib import Path
 from mcore_advisor.knowledge import megatron_flags
 from mcore_advisor.knowledge.runs import BARE_METAL_HOST_FLOOR_MS
 from mcore_advisor.physics.step_time import step_time
-from mcore_advisor.schemas import Plan
+from mcore_advisor.schemas import Plan, with_changes
 
 OUT = Path(__file__).resolve().parent / "results" / "published_moe_check.txt"
 DOCS = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md @ 00b7660b"
@@ -141,8 +141,7 @@ def _host_sensitivity() -> list[str]:
     for host in (2.0, 3.0):
         errs = []
         for row in ROWS:
-            plan = plan_of(row)
-            plan = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"host_floor_ms_per_layer": host})})
+            plan = with_changes(plan_of(row), "cluster", host_floor_ms_per_layer=host)
             errs.append(100 * (row.tokens_per_s_per_gpu / step_time(plan).tokens_per_s_per_gpu - 1.0))
         out.append(f"  {host:.1f} ms: " + " ".join(f"{e:+.0f}%" for e in errs)
                    + f"  (median |err| {statistics.median(abs(e) for e in errs):.1f}%)")

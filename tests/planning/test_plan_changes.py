@@ -111,7 +111,7 @@ def test_the_all_to_all_overlap_is_offered_where_megatron_accepts_it_and_pays_on
                             "expert_model_parallel_size": 8},
                implementation={"moe_router_force_load_balancing": True})
     offered = next(ch for ch in changes(moe, "speed") if ch.fields == overlap)
-    assert validate(offered.plan) == [] or not errors(validate(offered.plan))
+    assert not errors(validate(offered.plan))
     # the EP8 all-to-alls inside a node hide under the other micro-batch's work on a bare-metal host
     assert step_time(offered.plan).iteration_time_s < 0.95 * step_time(moe).iteration_time_s
     plain_pp = with_changes(moe, "parallelism", virtual_pipeline_model_parallel_size=None)  # Megatron asks for VP

@@ -89,6 +89,11 @@ class Implementation:
                       "recompute_modules": mods, "cuda_graph_modules": tuple(im.cuda_graph_modules or ()), **overrides})
 
     @property
+    def pads_to_capacity(self) -> bool:
+        """--moe-pad-expert-input-to-capacity takes effect: it needs a capacity factor (the validators refuse it alone)."""
+        return self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is not None
+
+    @property
     def unfused_attention(self) -> bool:
         """Whether core attention stores the s x s scores: the local spec always runs Megatron's own
         DotProductAttention (gpt_layer_specs.get_gpt_layer_local_submodules: LocalSpecProvider.core_attention,

@@ -346,8 +346,7 @@ def moe_token_imbalance(shape: ModelShape, impl: Implementation, ep: int) -> flo
     else:
         load = float(busiest_rank_load(shape, ep, expert_load_cv(impl.moe_router_force_load_balancing,
                                                                   impl.moe_expert_load_cv)))
-    pad = impl.moe_pad_expert_input_to_capacity and impl.moe_expert_capacity_factor is not None
-    return float(capacity_capped(load, impl.moe_expert_capacity_factor, pad))
+    return float(capacity_capped(load, impl.moe_expert_capacity_factor, impl.pads_to_capacity))
 
 
 @lru_cache(maxsize=65536)

@@ -648,7 +648,7 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         moe_miss_share=im.moe_heuristic_miss_share,
         cublaslt_cache=im.cublaslt_heuristics_cache_capacity,
         moe_capacity_factor=im.moe_expert_capacity_factor,
-        moe_pad_to_capacity=im.moe_pad_expert_input_to_capacity and im.moe_expert_capacity_factor is not None,
+        moe_pad_to_capacity=im.pads_to_capacity,
         moe_ep_overlap=im.overlap_moe_expert_parallel_comm,
         moe_delay_wgrad=im.delay_wgrad_compute and im.overlap_moe_expert_parallel_comm,
         ce_fusion=im.cross_entropy_loss_fusion,
@@ -1216,12 +1216,11 @@ def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
         f_, b_, r_ = _layer_time(c, L, p, is_moe)
         lay_f, lay_b, lay_rc = lay_f + w * f_, lay_b + w * b_, lay_rc + w * r_
     t_layer_gpu = lay_f + lay_b + lay_rc
-    k_f = sum(w * _layer_kernels(c, p)[0] for p, w, _ in kinds)
-    k_b = sum(w * _layer_kernels(c, p)[1] for p, w, _ in kinds)
-    k_rc = sum(w * _layer_kernels(c, p)[2] for p, w, _ in kinds)
+    launches = [(w, _layer_kernels(c, p)) for p, w, _ in kinds]
+    k_f, k_b, k_rc = (sum(w * ks[i] for w, ks in launches) for i in range(3))
     # The host launches a layer's kernels one by one (Python, Megatron-Core, TE, the CUDA launch); a
     # layer whose GPU work takes less than that leaves the GPU waiting (HOST_FORWARD_SHARE).
-    host_f, host_b = c.host_f * (k_f - k_rc), c.host_f * k_rc + c.host_b * k_b
+    host_f, host_b = c.host_f * k_f, c.host_f * k_rc + c.host_b * k_b
     host_gap = np.maximum(0.0, host_f + host_b - t_layer_gpu)
     if shape.is_moe and host_syncs_per_layer(c.impl) > 0 and not c.impl.moe_ep_overlap:
         # the dispatcher's sync in every MoE layer's forward keeps the host within a layer of the GPU, so
@@ -1235,18 +1234,18 @@ def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
     # an MoE layer's forward heuristic-cache misses stall the GPU even where the layer's host total hides
     miss_wait = sum(w * p.get("miss_wait_f", 0.0) for p, w, _ in kinds)
     host_gap = np.maximum(host_gap, miss_wait)
-    return _LayerAverage(comp, lay_f, lay_b, lay_rc, host_gap, t_layer_gpu + host_gap, k_f + k_b)
+    return _LayerAverage(comp, lay_f, lay_b, lay_rc, host_gap, t_layer_gpu + host_gap, k_f + k_rc + k_b)
 
 
 def _layer_kernels(c: _Ctx, p: dict) -> tuple:
-    """(forward + recomputed, backward, recomputed) kernels one layer launches per micro-batch; recompute reruns
-    core attention (selective), half the forward for the 'mlp'/'moe' modules, or the forward (full)."""
+    """(forward, backward, recomputed) kernels one layer launches per micro-batch; recompute reruns core
+    attention (selective), half the forward for the 'mlp'/'moe' modules, or the forward (full)."""
     fwd, bwd = p.get("kernels_f", 0.0), p.get("kernels_b", 0.0)
     mods = c.impl.recompute_modules
     sel = p.get("attn_kernels_f", 0.0) if "core_attn" in mods else 0.0
     sel = sel + (0.5 * fwd if ({"mlp", "moe"} & set(mods)) else 0.0)
     rc = np.where(c.recompute == 1, sel, 0.0) + np.where(c.recompute == 2, c.recompute_fraction * fwd, 0.0)
-    return fwd + rc, bwd, rc
+    return fwd, bwd, rc
 
 
 @lru_cache(maxsize=1)

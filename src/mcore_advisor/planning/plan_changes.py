@@ -24,6 +24,7 @@ from mcore_advisor.physics.moe import CUBLASLT_CACHE_FIX
 from mcore_advisor.physics.step_time import hardware_params
 from mcore_advisor.schemas import ModelShape, ParallelDims, Plan, parallel_dims, with_changes
 from mcore_advisor.validators import errors, validate
+from mcore_advisor.validators._core import EP_OVERLAP
 
 # Below this fraction of capacity left, suggest changes even though the plan fits: allocator
 # behaviour and dataset-dependent peaks (MoE routing imbalance, variable sequence lengths) move
@@ -231,11 +232,12 @@ def _context_and_experts(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | Non
         yield _change(c, "implementation", f"environment variable CUBLASLT_HEURISTICS_CACHE_CAPACITY={CUBLASLT_CACHE_FIX}: "
                       "the expert GEMMs' row counts, uneven under real routing, stop thrashing cuBLASLt's algorithm cache "
                       "(a few MB of host memory)", cublaslt_heuristics_cache_capacity=CUBLASLT_CACHE_FIX)
-    if purpose == "speed" and s.is_moe and _ep_overlap_possible(c):
-        yield _change(c, "implementation", "Megatron's combined 1F1B schedule: each token all-to-all runs under the other "
-                      "micro-batch's attention or experts, the expert weight gradients under the backward's dispatch; its "
-                      "own host launches cost about what it hides on a slow (VM) host", overlap_moe_expert_parallel_comm=True,
-                      delay_wgrad_compute=im.transformer_impl == "transformer_engine")
+    if purpose == "speed" and s.is_moe:
+        yield _accepted_by_megatron(_change(
+            c, "implementation", "Megatron's combined 1F1B schedule: each token all-to-all runs under the other "
+            "micro-batch's attention or experts, the expert weight gradients under the backward's dispatch; its own host "
+            "launches cost about what it hides on a slow (VM) host", overlap_moe_expert_parallel_comm=True,
+            delay_wgrad_compute=im.transformer_impl == "transformer_engine"), EP_OVERLAP)
     if s.is_moe and s.num_experts:
         for ep in (d.ep * 2, d.ep // 2):
             if ep >= 1 and ep != d.ep and s.num_experts % ep == 0 and (d.world // (d.etp * d.pp)) % ep == 0:
@@ -243,13 +245,11 @@ def _context_and_experts(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | Non
                 yield _change(c, P, note, expert_model_parallel_size=ep)
 
 
-def _ep_overlap_possible(c: _Ctx) -> bool:
-    """Whether --overlap-moe-expert-parallel-comm is open to the plan (TransformerConfig's asserts: EP > 1, the
-    alltoall or flex dispatcher, no full recompute, interleaved when pipelined)."""
-    im, p, d = c.plan.implementation, c.plan.parallelism, c.dims
-    return (not im.overlap_moe_expert_parallel_comm and d.ep > 1 and im.moe_token_dispatcher_type in ("alltoall", "flex")
-            and p.recompute_granularity != "full" and "moe" not in (p.recompute_modules or ())
-            and (d.pp == 1 or d.vp > 1))
+def _accepted_by_megatron(ch: PlanChange | None, field: str) -> PlanChange | None:
+    """The change unless a validator rule on `field` refuses the plan it makes (the rules are Megatron's asserts)."""
+    if ch is None or any(field in f.fields for f in errors(validate(ch.plan))):
+        return None
+    return ch
 
 
 def _precision(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
