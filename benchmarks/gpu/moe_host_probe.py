@@ -37,6 +37,9 @@ TOKENS_PER_EXPERT = 128
 LAYER_CASES = ((8, 2), (16, 8), (32, 8), (64, 8), (128, 8))  # (experts, top-k) of the whole MoE layer
 LAYER_TOKENS = 2048
 ITERS = 20
+#: MOE_PROBE_DDP=1 wraps each module in Megatron's DistributedDataParallel (world size 1, no overlap), whose
+#: per-parameter backward hook adds each weight's gradient into its main_grad, as in training
+DDP = os.environ.get("MOE_PROBE_DDP") == "1"
 records: list[dict] = []
 
 
@@ -75,10 +78,17 @@ def config(experts: int, topk: int, precision: str):
 
 def moe_layer(cfg):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from megatron.core.transformer.spec_utils import build_module
 
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=True)
-    return build_module(spec.submodules.mlp, config=cfg).cuda()
+    return spec.submodules.mlp(config=cfg).cuda()  # a partial of MoELayer, as TransformerLayer calls it
+
+
+def wrapped(cfg, module):
+    if not DDP:
+        return module
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(), module=module)
 
 
 def timed(fwd, grad) -> dict:
@@ -113,7 +123,7 @@ def _splits(local: int, mean: int) -> torch.Tensor:
 
 def experts_case(local: int, precision: str):
     cfg = config(local, 2, precision)
-    ex = moe_layer(cfg).experts
+    ex = wrapped(cfg, moe_layer(cfg).experts)
     counts = _splits(local, TOKENS_PER_EXPERT)  # on the host, as the alltoall dispatcher hands them over
     n = int(counts.sum())
     x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -124,12 +134,12 @@ def experts_case(local: int, precision: str):
         with ctx(cfg):
             return ex(x, counts, probs)[0]
 
-    return {"module": type(ex).__name__, "tokens": n, **timed(fwd, grad)}
+    return {"module": type(getattr(ex, "module", ex)).__name__, "tokens": n, **timed(fwd, grad)}
 
 
 def layer_case(experts: int, topk: int, precision: str):
     cfg = config(experts, topk, precision)
-    layer = moe_layer(cfg)
+    layer = wrapped(cfg, moe_layer(cfg))
     x = torch.randn(LAYER_TOKENS, 1, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)
 
@@ -138,7 +148,7 @@ def layer_case(experts: int, topk: int, precision: str):
             out = layer(x)
         return out[0] if isinstance(out, tuple) else out
 
-    return {"module": type(layer).__name__, "dispatcher": cfg.moe_token_dispatcher_type, **timed(fwd, grad)}
+    return {"module": type(getattr(layer, "module", layer)).__name__, "dispatcher": cfg.moe_token_dispatcher_type, **timed(fwd, grad)}
 
 
 def reference(tag: str):
@@ -152,7 +162,7 @@ def run(section: str):
              else [(ek, p) for p in ("bf16", "fp8_tensorwise") for ek in LAYER_CASES])
     for arg, precision in cases:
         rec = ({"local_experts": arg} if section == "experts" else {"experts": arg[0], "topk": arg[1]})
-        rec.update(kind=f"moe_{section}", precision=precision, hidden=HIDDEN, ffn=FFN)
+        rec.update(kind=f"moe_{section}", precision=precision, hidden=HIDDEN, ffn=FFN, ddp=DDP)
         try:
             got = experts_case(arg, precision) if section == "experts" else layer_case(*arg, precision)
             emit(**rec, **got)
