@@ -90,21 +90,24 @@ def test_padding_to_capacity_fixes_the_expert_rows_and_drops_the_sync():
     assert moe.capacity_capped(np.array([1.4, 0.9]), 1.2, False).tolist() == pytest.approx([1.2, 0.9])
 
 
-def test_fp8_current_scaling_adds_per_expert_host_launches():
+def test_fp8_adds_per_expert_host_launches_current_scaling_more():
     c, _ = _ctx(_plan(FORCED, train={"precision": "fp8", "fp8_recipe": "tensorwise"}))
+    d, _ = _ctx(_plan(FORCED, train={"precision": "fp8", "fp8_recipe": "delayed"}))
     b, _ = _ctx(_plan(FORCED))
     kit = stm._moe_kit()
-    extra_f = moe.experts(c, kit)["kernels"][0] - moe.experts(b, kit)["kernels"][0]
-    extra_b = moe.experts(c, kit)["kernels"][1] - moe.experts(b, kit)["kernels"][1]
-    f, bw = moe.FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS
+
+    def extra(ctx, i):
+        return _one(moe.experts(ctx, kit)["kernels"][i] - moe.experts(b, kit)["kernels"][i])
+
+    q_f, q_b = moe.FP8_PER_EXPERT_HOST_KERNELS  # every recipe casts each expert's inputs on their own
+    cs_f, cs_b = moe.FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS
     pad_f, pad_b = moe.FP8_EXPERT_PADDING_HOST_KERNELS  # every dropless FP8 recipe pads each expert's rows
-    assert _one(extra_f) == pytest.approx(16 * f + pad_f) and _one(extra_b) == pytest.approx(16 * bw + pad_b)
-    d, _ = _ctx(_plan(FORCED, train={"precision": "fp8", "fp8_recipe": "delayed"}))
-    assert _one(moe.experts(d, kit)["kernels"][0]) == pytest.approx(_one(moe.experts(b, kit)["kernels"][0]) + pad_f)
-    # padded to capacity, the rows are already aligned: TEGroupedMLP skips the FP8 padding
+    assert extra(d, 0) == pytest.approx(16 * q_f + pad_f) and extra(d, 1) == pytest.approx(16 * q_b + pad_b)
+    assert extra(c, 0) == pytest.approx(16 * (q_f + cs_f) + pad_f) and extra(c, 1) == pytest.approx(16 * (q_b + cs_b) + pad_b)
+    # padded to capacity, the rows are already aligned: TEGroupedMLP skips the FP8 padding, not the casts
     p8, _ = _ctx(_plan(DROP, train={"precision": "fp8", "fp8_recipe": "delayed"}))
     pb, _ = _ctx(_plan(DROP))
-    assert _one(moe.experts(p8, kit)["kernels"][0]) == pytest.approx(_one(moe.experts(pb, kit)["kernels"][0]))
+    assert _one(moe.experts(p8, kit)["kernels"][0]) == pytest.approx(_one(moe.experts(pb, kit)["kernels"][0]) + 16 * q_f)
 
 
 def test_the_sync_keeps_forward_host_time_out_of_the_backward_slack():

@@ -118,7 +118,9 @@ profiler's own stretch of that step (1.107 s traced against 1.043 s untraced: x 
 held-out GPT-OSS rank of the same lease (64 experts, hidden 2,880) issues its GEMMs 28-30 us apart. The s9
 figures (0.14 / 2.94, C_qwen30like_e128k8_s4k) had subtracted that row's heuristic-cache misses at the isolated
 query's cost from the same per-call times, which this miss-free trace shows were not in them; the s4 traces'
-0.9 / 4.6 came from routing as is, their heuristic queries included. SequentialMLP runs each expert's MLP
+0.9 / 4.6 came from routing as is, their heuristic queries included. Checked on one H100 against Megatron-Core's own
+TEGroupedMLP (benchmarks/gpu/moe_host_probe.py, s13, 2-128 local experts: benchmarks/results/moe_host_accuracy.txt):
+0.27 / 2.77 units per expert without DDP, 0.24 / 3.79 inside Megatron's DDP (its per-weight gradient hook). SequentialMLP runs each expert's MLP
 module in a Python loop: fc1,
 the weighted SwiGLU (a torch.compile'd function: a Dynamo cache lookup per call), fc2, and backward two
 Linear nodes, the activation's and two gradient-accumulation nodes per expert: 6.27 Linear calls forward
@@ -127,16 +129,20 @@ trace of F_qwen30like_e128k8_s4k_sequential: 128 local experts on one H100, sess
 gpu_h100_F_runs.jsonl). Calibration: the only SequentialMLP trace; that row went from -47% to the figure in
 throughput_accuracy.txt section 5."""
 
-FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS = (0.41, 2.5)
-"""Per local expert and micro-batch, what FP8 with current scaling (--fp8-recipe tensorwise) adds to TEGroupedMLP's
-host launches: each expert's GEMM inputs quantized on their own (an amax, a scale and a cast kernel each, with
-their output tensors allocated), forward and in backward for the gradients. From the rank-0 trace of
-E_q30rank_ep2_forced_fp8cs (s12/17, 2 x H200, 16 local experts, host probe 4.85 ms): per _GroupedLinear call
-61.5 cudaLaunchKernel, 67 aten::empty and 36 aten::select that the bf16 call does not make, 0.72 ms forward and
-0.84 ms per _GroupedLinearBackward, two calls per layer: 0.43 / 2.64 units per expert, less the profiler's 6%
-stretch. Only the ops the profiler names are counted (a lower bound: TE's own C++ between them is not); the
-held-out bf16 twin's trace (E_q30rank_ep2_forced_bf16, s12/15), a check and not a source, puts the whole per-call
-difference at 0.61 / 4.3 units at its probe."""
+FP8_PER_EXPERT_HOST_KERNELS = (0.28, 1.7)
+FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS = (0.25, 0.95)
+"""Per local expert and micro-batch, what FP8 adds to TEGroupedMLP's host launches beyond bf16's: with any recipe
+each expert's GEMM inputs are cast by their own quantizer into a tensor object of their own, forward and, for the
+gradients, backward (FP8_PER_EXPERT_HOST_KERNELS); current scaling (--fp8-recipe tensorwise) first takes each
+input's amax and scale on its own (FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS, on top). From Megatron-Core's own
+TEGroupedMLP on one H100 VM (benchmarks/gpu/moe_host_probe.py, session s13: 2-128 local experts, two leases, with
+and without Megatron's DDP; benchmarks/results/gpu_h100_H_moe_host_probe.jsonl): the host time's slope over the
+local experts, less bf16's, in the units the same run's host probe prices, on the cases outside the held-out third:
+delayed 0.22 / 2.09 (plain) and 0.34 / 1.38 (DDP) forward / backward, current scaling 0.44 / 2.33 and 0.62 / 2.97;
+the means are taken. bf16's own slope there, 0.27 / 2.77 and 0.24 / 3.79, is PER_EXPERT_HOST_KERNELS[True]'s.
+The earlier source of the current-scaling total (rank-0 trace of E_q30rank_ep2_forced_fp8cs, 2 x H200: 61.5 launches,
+67 allocations and 36 selects per _GroupedLinear call that bf16's does not make) gave 0.41 / 2.5, its named ops
+only (benchmarks/results/moe_host_accuracy.txt compares every probe case)."""
 
 FP8_EXPERT_PADDING_HOST_KERNELS = (1.3, 6.6)
 """Per MoE layer and micro-batch, dropless FP8 with grouped experts: TEGroupedMLP pads every expert's rows to the
@@ -456,8 +462,9 @@ def experts(c, kit: MoeKit) -> dict:
     w_exp = local * kit.local_weights(lw, c.etp) + h * float(shape.num_experts)  # routed experts + router
     acc = kit.wgrad_s(w_exp, len(lw) * local + 1.0, impl, c.bw, c.bw_ew)
     per_f, per_b = PER_EXPERT_HOST_KERNELS[bool(grouped)]
-    if grouped and c.fp8 and impl.fp8_current_scaling:
-        per_f, per_b = per_f + FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS[0], per_b + FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS[1]
+    if grouped and c.fp8:
+        for q_f, q_b in (FP8_PER_EXPERT_HOST_KERNELS,) + ((FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS,) if impl.fp8_current_scaling else ()):
+            per_f, per_b = per_f + q_f, per_b + q_b
     fix_f, fix_b = GROUPED_EXPERTS_HOST_KERNELS if grouped else (0.0, 0.0)
     if grouped and c.fp8 and not impl.moe_pad_to_capacity:
         fix_f, fix_b = fix_f + FP8_EXPERT_PADDING_HOST_KERNELS[0], fix_b + FP8_EXPERT_PADDING_HOST_KERNELS[1]
