@@ -400,3 +400,19 @@ def test_a_spent_cpu_budget_gives_the_best_plan_of_what_was_searched_and_says_so
     full = recommend_parallelism(req)
     assert not any(x.startswith("search stopped") for x in full.notes) and full.what_if
     assert full.stats.layouts_searched > s.layouts_searched
+
+
+def test_full_recompute_is_not_searched_where_the_all_to_all_overlap_refuses_it():
+    # TransformerConfig asserts no full recompute with --overlap-moe-expert-parallel-comm; the search asks the
+    # validators, so memory-bound layouts get selective or no recompute, never an unlaunchable plan
+    model = ModelSpec(name="qwen3-30b-a3b")
+    overlap = ImplementationSpec(overlap_moe_expert_parallel_comm=True, moe_token_dispatcher_type="alltoall")
+    tight = dict(fixed=Fixed(ep=8))  # 30B on 8 x 80 GB: some layouts fit only with full recompute
+    with_overlap = _inputs(model, 8, 4096, 64, impl=overlap, **tight)
+    plain = _inputs(model, 8, 4096, 64, **tight)
+    assert search_module._recompute_allowed(with_overlap) == (True, True, False, False)
+    assert search_module._recompute_allowed(plain) == (True, True, True, True)
+    out, base = search(with_overlap), search(plain)
+    assert (base.recompute >= RC_BLOCK).any()  # the budget does call for full recompute without the overlap
+    assert not (out.recompute >= RC_BLOCK).any()
+    assert all(not errors(validate(_plan(with_overlap, model, out, i))) for i in range(min(5, len(out.mbs))))

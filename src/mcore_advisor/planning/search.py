@@ -343,7 +343,17 @@ def _recompute_allowed(inp: SearchInputs) -> tuple[bool, bool, bool, bool]:
     uniform = full and f.recompute_method in (None, "uniform")
     if f.recompute_num_layers is not None and f.recompute != "full" and f.recompute_method is None:
         none = sel = False
+    if (block or uniform) and _full_recompute_refused(inp):
+        block = uniform = False
     return none, sel, block, uniform
+
+
+def _full_recompute_refused(inp: SearchInputs) -> bool:
+    """Whether Megatron refuses full recompute with the request's implementation: error rules that full recompute
+    adds to a candidate without it (the all-to-all overlap's, TransformerConfig's assert)."""
+    base = _rules_base(inp)
+    full = base.with_layout(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return bool(set(layout_errors(full)) - set(layout_errors(base)))
 
 
 
