@@ -651,11 +651,33 @@ def ep_overlap_spec_lines() -> list[dict]:
     return [_line(name, p, n, RUN_E, te=True) for name, p, n in ep_overlap_rows()]
 
 
+#: the fifteenth set (session s13, issue 15): the E rank's 32 experts on one H100 (EP 1: 32 local experts of 768, 2,048
+#: rows each at micro-batch 2), dropless forced in bf16, FP8 delayed and FP8 current scaling, and padded to capacity in
+#: FP8 delayed: the per-expert FP8 host launches that benchmarks/gpu/moe_host_probe.py measured on Megatron's TEGroupedMLP
+#: alone, here inside Megatron-LM's own training loop, predicted before the run
+RUN_H = {"warmup_steps": 2, "measure_steps": 6}
+
+
+def fp8_experts_rows() -> list[tuple[str, Plan, int]]:
+    forced = {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", "moe_permute_fusion": True,
+              "moe_router_force_load_balancing": True}
+    drop = {**forced, "moe_router_force_load_balancing": False, "moe_expert_capacity_factor": 1.0,
+            "moe_pad_expert_input_to_capacity": True}
+    rows = [(f"H_q30rank_ep1_forced_{tag}", plan(Q30_RANK, 1, seq=4096, gbs=16, mbs=2, impl=forced, train=train), 1)
+            for tag, train in (("bf16", None), ("fp8delayed", DELAYED), ("fp8cs", TENSORWISE))]
+    rows.append(("H_q30rank_ep1_droppad_fp8delayed", plan(Q30_RANK, 1, seq=4096, gbs=16, mbs=2, impl=drop, train=DELAYED), 1))
+    return rows
+
+
+def fp8_experts_spec_lines() -> list[dict]:
+    return [_line(name, p, n, RUN_H, te=True) for name, p, n in fp8_experts_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -669,7 +691,8 @@ def main(argv: list[str] | None = None) -> None:
                          "peak: the P_* plans (GPT-2.7B layers without TE, what is live at the memory peak); "
                          "te_trace: the T_* plans (the TE MoE rows furthest off, every rank traced); "
                          "local_check: the Q_* plans (unfused attention's fp32 softmax, dropout, 4k keys without TE); "
-                         "ep_overlap: the E_* plans (the all-to-all overlap and token drop on a Qwen3-30B EP8 rank's MoE)")
+                         "ep_overlap: the E_* plans (the all-to-all overlap and token drop on a Qwen3-30B EP8 rank's MoE); "
+                         "fp8_experts: the H_* plans (32 local experts on one GPU, bf16 and FP8 delayed / current scaling)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
@@ -677,7 +700,7 @@ def main(argv: list[str] | None = None) -> None:
                  "local": local_spec_lines, "ranks": ranks_spec_lines,
                  "local_more": local_more_spec_lines, "mla": mla_spec_lines, "peak": peak_spec_lines,
                  "te_trace": te_trace_spec_lines, "local_check": local_check_spec_lines,
-                 "ep_overlap": ep_overlap_spec_lines}.get(
+                 "ep_overlap": ep_overlap_spec_lines, "fp8_experts": fp8_experts_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None
