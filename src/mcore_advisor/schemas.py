@@ -101,7 +101,7 @@ class ClusterSpec(BaseModel):
     nvlink_bandwidth_gbps: float | None = Field(None, gt=0, description="Override: unidirectional NVLink bandwidth per GPU, GB/s.")
     scaleout_bandwidth_gbps: float | None = Field(None, gt=0, description="Override: unidirectional inter-node bandwidth per GPU, GB/s (e.g. 50 for 400 Gb/s IB).")
     gpu_memory_gib: float | None = Field(None, gt=0, description="Override: usable HBM per GPU, GiB.")
-    host_floor_ms_per_layer: float | None = Field(None, ge=0, description="Override: the host's speed, as the CPU time to launch a reference layer's forward + backward for one micro-batch (GPT-3 1.3B with Transformer Engine), ms; the step-time model scales it by what each plan launches (kernels per layer, recompute, host syncs, the per-step work). None = the GPU catalog's (5.5 fitted on this workplace's H100 and H200 VMs; a bare-metal DGX/HGX host is about twice as fast: published runs are predicted at 2.75); 0 = a host never binding.")
+    host_floor_ms_per_layer: float | None = Field(None, ge=0, description="Override: the host's speed, as the CPU time to launch a reference layer's forward + backward for one micro-batch (GPT-3 1.3B with Transformer Engine), ms; the step-time model scales it by what each plan launches (kernels per layer, recompute, host syncs, the per-step work). None = the GPU catalog's inside one node (5.5 fitted on this workplace's H100 and H200 VMs) and a bare-metal DGX/HGX host's over several nodes (2.75, knowledge.hardware.BARE_METAL_HOST_FLOOR_MS); 0 = a host never binding.")
 
 
 class TrainingSpec(BaseModel):

@@ -97,3 +97,20 @@ def test_aliases_and_table_labels_map_to_catalog_keys():
     assert gpu_key_from_label("H100 PCIe") == "h100-pcie"
     assert gpu_key_from_label("A100 40GB") == "a100-40gb"
     assert gpu_key_from_label("MI300X") is None
+
+
+def test_a_multi_node_cluster_gets_the_bare_metal_host_one_node_the_catalogs():
+    from mcore_advisor.knowledge.hardware import BARE_METAL_HOST_FLOOR_MS, default_host_floor_ms
+    from mcore_advisor.physics.step_time import hardware_params
+    from mcore_advisor.schemas import ClusterSpec
+
+    h100 = gpu("h100-sxm")
+    assert default_host_floor_ms(h100, 8) == h100.host_floor_ms_per_layer == 5.5  # this workplace's VMs
+    assert default_host_floor_ms(h100, 16) == BARE_METAL_HOST_FLOOR_MS == 2.75
+    assert default_host_floor_ms(h100, 16, gpus_per_node=16) == 5.5  # one NVLink domain of 16: one node
+    assert default_host_floor_ms(gpu("a100-80gb"), 64) == 0.0  # not binding stays not binding
+    # the step-time model reads it unless the cluster says otherwise
+    assert hardware_params(ClusterSpec(gpu="h100-sxm", num_gpus=64)).host_floor_s_per_layer == pytest.approx(2.75e-3)
+    assert hardware_params(ClusterSpec(gpu="h100-sxm", num_gpus=8)).host_floor_s_per_layer == pytest.approx(5.5e-3)
+    pinned = ClusterSpec(gpu="h100-sxm", num_gpus=64, host_floor_ms_per_layer=6.0)
+    assert hardware_params(pinned).host_floor_s_per_layer == pytest.approx(6.0e-3)

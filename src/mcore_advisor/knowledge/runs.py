@@ -33,27 +33,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mcore_advisor.knowledge import megatron_flags
-from mcore_advisor.knowledge.hardware import gpu_key_from_label
+from mcore_advisor.knowledge.hardware import BARE_METAL_HOST_FLOOR_MS, gpu_key_from_label
 from mcore_advisor.knowledge.models import model_catalog, normalize_key, resolve_model
 from mcore_advisor.schemas import ImplementationSpec, ModelSpec, Plan
 
 FlopConvention = Literal["full", "full+recompute", "causal"]
-
-
-BARE_METAL_HOST_FLOOR_MS = 2.75
-"""The host speed published runs are planned with (ClusterSpec.host_floor_ms_per_layer: ms to launch the
-reference layer's forward + backward): their bare-metal DGX/HGX hosts launch faster than this workplace's VMs
-(5.5, the GPU catalog's), which matters where a layer launches many small kernels (fine-grained MoE: a GEMM per
-local expert, the dispatcher's syncs). Chosen on the published rows outside the held-out third
-(benchmarks/throughput_accuracy.py section 3) by mean |step error|, over 0.5-4 ms: the dense rows barely read it
-(median 5.1% at 1.0, 5.5% at 2.75), the fitted MoE rows decide (Megatron-MoE-ModelZoo Qwen3-235B #53-#55: mean 12.5%
-at 1.0, 6.0% at 2.75, 8.0% at 3.0, 11.8% at 3.25); the held-out published rows went 8.0% -> 6.0% median and
-Megatron-Bridge's DGX-H100 MoE table (benchmarks/published_moe_check.py, never chosen on) 23% -> 20%. Why about
-half the VM's figure: the VM's vCPUs are the same generation as a DGX H100's Xeon Platinum 8480C (lscpu of the
-nvidia-h100-x1 VM, session s13: AMX and AVX512-FP16 flags, a KVM guest), so the gap is virtualisation and clock,
-not the core; the same Qwen3-30B-A3B EP8 rank took 53 ms a layer (29 of them host) on the VM and 32 ms on
-Bridge's DGX (session s12, gpu_h200x2_E_summary.md), a host 2-2.5x faster. MCore's README GPT 32B TP8 row, 4.6 ms of
-GPU work per layer and micro-batch, is not host-bound at it."""
 
 
 class RunSource(BaseModel):

@@ -83,7 +83,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from mcore_advisor.knowledge.hardware import GpuSpec, gpu
+from mcore_advisor.knowledge.hardware import GpuSpec, default_host_floor_ms, gpu
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.anatomy import linear_weights
 from mcore_advisor.physics.flops import (
@@ -408,7 +408,7 @@ def hardware_params(cluster: ClusterSpec, spec: GpuSpec | None = None) -> Hardwa
         elementwise_fraction=meas.get("elementwise", ELEMENTWISE_BW_EFFICIENCY),
         stream_fraction=meas.get("stream", STREAM_BW_EFFICIENCY),
         host_floor_s_per_layer=1e-3 * (cluster.host_floor_ms_per_layer if cluster.host_floor_ms_per_layer is not None
-                                       else g.host_floor_ms_per_layer),
+                                       else default_host_floor_ms(g, cluster.num_gpus, cluster.gpus_per_node)),
     )
 
 
@@ -1622,8 +1622,9 @@ def _assumptions(plan: Plan, hw: HardwareParams) -> list[str]:
     im, p = plan.implementation, plan.parallelism
     out = []
     if hw.host_floor_s_per_layer > 0:
-        out.append(f"host speed {1e3 * hw.host_floor_s_per_layer:g} ms per reference layer (cluster.host_floor_ms_per_layer or "
-                   "the GPU catalog's): layers' kernel launches and the waits after host syncs"
+        out.append(f"host speed {1e3 * hw.host_floor_s_per_layer:g} ms per reference layer (cluster.host_floor_ms_per_layer, "
+                   "else the GPU catalog's VM figure inside one node and a bare-metal DGX/HGX host's over several): "
+                   "layers' kernel launches and the waits after host syncs"
                    + (" (loss and gradient NaN checks on)" if im.check_for_nan_in_loss_and_grad else "")
                    + " are timed against it")
     else:
