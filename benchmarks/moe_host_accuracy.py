@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import zlib
 from pathlib import Path
 
@@ -168,12 +167,6 @@ def report() -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
-    text = report()
-    OUT.write_text(text)
-    print(text)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    OUT.write_text(_text := report())
+    print(_text)
