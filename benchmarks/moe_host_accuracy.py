@@ -120,7 +120,7 @@ def _slope_lines(rs: list[dict]) -> list[str]:
              f"model PER_EXPERT_HOST_KERNELS {moe.PER_EXPERT_HOST_KERNELS[True][0]} / {moe.PER_EXPERT_HOST_KERNELS[True][1]}"]
     model = {"fp8_delayed": moe.FP8_PER_EXPERT_HOST_KERNELS,
              "fp8_tensorwise": tuple(a + b for a, b in zip(moe.FP8_PER_EXPERT_HOST_KERNELS,
-                                                           moe.FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS))}
+                                                           moe.FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS, strict=True))}
     for prec, (mf, mb) in model.items():
         extra = {d: tuple(sl[prec, d][i] - sl["bf16", d][i] for i in (0, 1)) for d in (False, True)}
         lines.append(f"  {prec + ' less bf16':<21} plain {extra[False][0]:5.2f} / {extra[False][1]:5.2f}   "
