@@ -33,7 +33,8 @@ def test_per_expert_host_constants_sit_inside_the_probe_runs(bench):
         delayed = tuple(sl["fp8_delayed", d][i] - sl["bf16", d][i] for d in (False, True))
         current = tuple(sl["fp8_tensorwise", d][i] - sl["bf16", d][i] for d in (False, True))
         assert _within(moe.FP8_PER_EXPERT_HOST_KERNELS[i], delayed)
-        assert _within(moe.FP8_PER_EXPERT_HOST_KERNELS[i] + moe.FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS[i], current)
+        # the module's tight loop under-reads current scaling's forward; the training loop's trace is the source
+        assert _within(moe.FP8_PER_EXPERT_HOST_KERNELS[i] + moe.FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS[i], current, slack=0.5)
     # current scaling costs more than delayed scaling per expert, forward and backward, in every run kind
     for d in (False, True):
         assert all(sl["fp8_tensorwise", d][i] > sl["fp8_delayed", d][i] for i in (0, 1))
@@ -50,4 +51,20 @@ def test_the_model_prices_a_probe_case_at_its_runs_host_speed(bench):
     per_f = moe.PER_EXPERT_HOST_KERNELS[True][0] + moe.FP8_PER_EXPERT_HOST_KERNELS[0] + moe.FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS[0]
     units_f = moe.GROUPED_EXPERTS_HOST_KERNELS[0] + moe.FP8_EXPERT_PADDING_HOST_KERNELS[0] + 128 * per_f
     assert f == pytest.approx(units_f * 6.0 * st.HOST_FORWARD_SHARE / kf, rel=1e-6)
-    assert b > f  # the backward launches two GEMMs per expert and input, and the weights' gradient nodes
+    per_b = moe.PER_EXPERT_HOST_KERNELS[True][1] + moe.FP8_PER_EXPERT_HOST_KERNELS[1] + moe.FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS[1]
+    units_b = moe.GROUPED_EXPERTS_HOST_KERNELS[1] + moe.FP8_EXPERT_PADDING_HOST_KERNELS[1] + 128 * per_b
+    assert b == pytest.approx(units_b * 6.0 * (1.0 - st.HOST_FORWARD_SHARE) / kb, rel=1e-6)
+
+
+def test_fp8_per_expert_host_constants_are_the_training_loops_trace():
+    import json
+
+    trace = json.loads((SCRIPT.parent / "results" / "gpu_h100_H2_grouped_linear_trace.json").read_text())
+    rows = trace["rows"]
+    assert trace["local_experts"] == 32
+    delayed = rows["H_q30rank_ep1_forced_fp8delayed"]["extra_units_per_expert"]
+    current = rows["H_q30rank_ep1_forced_fp8cs"]["extra_units_per_expert"]
+    cs_total = [a + b for a, b in zip(moe.FP8_PER_EXPERT_HOST_KERNELS, moe.FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS, strict=True)]
+    assert cs_total == pytest.approx([current["forward"], current["backward"]], abs=0.02)
+    # every recipe's per-expert cast: the module probe's means, which the loop's delayed row bears out within 0.1 / 0.35
+    assert moe.FP8_PER_EXPERT_HOST_KERNELS == pytest.approx((delayed["forward"], delayed["backward"]), abs=0.35)

@@ -130,19 +130,22 @@ gpu_h100_F_runs.jsonl). Calibration: the only SequentialMLP trace; that row went
 throughput_accuracy.txt section 5."""
 
 FP8_PER_EXPERT_HOST_KERNELS = (0.28, 1.7)
-FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS = (0.25, 0.95)
+FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS = (0.62, 0.27)
 """Per local expert and micro-batch, what FP8 adds to TEGroupedMLP's host launches beyond bf16's: with any recipe
 each expert's GEMM inputs are cast by their own quantizer into a tensor object of their own, forward and, for the
 gradients, backward (FP8_PER_EXPERT_HOST_KERNELS); current scaling (--fp8-recipe tensorwise) first takes each
-input's amax and scale on its own (FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS, on top). From Megatron-Core's own
-TEGroupedMLP on one H100 VM (benchmarks/gpu/moe_host_probe.py, session s13: 2-128 local experts, two leases, with
-and without Megatron's DDP; benchmarks/results/gpu_h100_H_moe_host_probe.jsonl): the host time's slope over the
-local experts, less bf16's, in the units the same run's host probe prices, on the cases outside the held-out third:
-delayed 0.22 / 2.09 (plain) and 0.34 / 1.38 (DDP) forward / backward, current scaling 0.44 / 2.33 and 0.62 / 2.97;
-the means are taken. bf16's own slope there, 0.27 / 2.77 and 0.24 / 3.79, is PER_EXPERT_HOST_KERNELS[True]'s.
-The earlier source of the current-scaling total (rank-0 trace of E_q30rank_ep2_forced_fp8cs, 2 x H200: 61.5 launches,
-67 allocations and 36 selects per _GroupedLinear call that bf16's does not make) gave 0.41 / 2.5, its named ops
-only (benchmarks/results/moe_host_accuracy.txt compares every probe case)."""
+input's amax and scale on its own, about four more kernel launches and four allocations per expert and GEMM input
+(FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS, on top). Every recipe: Megatron-Core's own TEGroupedMLP on one H100 VM
+(benchmarks/gpu/moe_host_probe.py, session s13: 2-128 local experts, two leases, with and without Megatron's DDP;
+benchmarks/results/gpu_h100_H_moe_host_probe.jsonl), the slope over the local experts less bf16's in the units the
+same run's host probe prices, cases outside the held-out third: delayed 0.22 / 2.09 (plain) and 0.34 / 1.38 (DDP),
+the means taken; the delayed row of Megatron-LM's own loop agrees (0.20 / 2.04, below). Current scaling: the rank-0
+trace of H_q30rank_ep1_forced_fp8cs (32 local experts, one H100, Megatron-LM's loop, s13 second H call, outside
+the held-out third; benchmarks/gpu/grouped_linear_trace.py -> benchmarks/results/gpu_h100_H2_grouped_linear_trace.json:
+_GroupedLinear 5.98 ms a call against bf16's 1.66 and delayed's 2.91, its backward 5.12 against 2.84 and 5.22) puts
+the current-scaling total at 0.90 / 1.97 units per expert, whose forward the module probe's tight loop reads at
+0.44-0.62: the loop's figure is taken. bf16's own module slope, 0.27 / 2.77 and 0.24 / 3.79, is
+PER_EXPERT_HOST_KERNELS[True]'s (benchmarks/results/moe_host_accuracy.txt compares every probe case)."""
 
 FP8_EXPERT_PADDING_HOST_KERNELS = (1.3, 6.6)
 """Per MoE layer and micro-batch, dropless FP8 with grouped experts: TEGroupedMLP pads every expert's rows to the
