@@ -18,11 +18,11 @@ alone. Held out, fixed before any choice: a case whose key crc32 % 3 == 0.
 from __future__ import annotations
 
 import json
-import statistics
 import zlib
 from pathlib import Path
 
 import numpy as np
+from moe_kernel_accuracy import _pct, _summary  # this folder's: the scripts run from it
 
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics import moe, step_time
@@ -91,10 +91,8 @@ def cases() -> list[dict]:
 
 def _units(r: dict) -> tuple[float, float]:
     """The case's measured forward and backward host time in the host units its run's probe prices."""
-    fl = step_time.host_floor_from_probe(r["probe_ms"])
-    kf, kb = step_time.host_reference_kernels()
-    return (1e3 * r["fwd_wall_s"] / (fl * step_time.HOST_FORWARD_SHARE / kf),
-            1e3 * r["bwd_wall_s"] / (fl * (1.0 - step_time.HOST_FORWARD_SHARE) / kb))
+    unit_f, unit_b = step_time.host_unit_s(1e-3 * step_time.host_floor_from_probe(r["probe_ms"]))
+    return r["fwd_wall_s"] / unit_f, r["bwd_wall_s"] / unit_b
 
 
 def per_expert_slopes(rs: list[dict]) -> dict[tuple[str, bool], tuple[float, float]]:
@@ -126,18 +124,6 @@ def _slope_lines(rs: list[dict]) -> list[str]:
         lines.append(f"  {prec + ' less bf16':<21} plain {extra[False][0]:5.2f} / {extra[False][1]:5.2f}   "
                      f"DDP {extra[True][0]:5.2f} / {extra[True][1]:5.2f}   model {mf:.2f} / {mb:.2f}")
     return lines
-
-
-def _pct(a: float, b: float) -> float:
-    return 100.0 * (a / b - 1.0)
-
-
-def _summary(label: str, errs: list[float]) -> str:
-    a = [abs(x) for x in errs]
-    if not a:
-        return f"  {label:<40} n=  0"
-    return (f"  {label:<40} n={len(a):3d}  median |err| {statistics.median(a):5.1f}%  max {max(a):5.1f}%  "
-            f"mean signed {statistics.fmean(errs):+5.1f}%")
 
 
 def report() -> str:

@@ -26,10 +26,9 @@ def per_call_us(trace: str) -> dict[str, float]:
 
 
 def unit_ms(probe_ms: float) -> dict[str, float]:
-    """One host unit's milliseconds at this probe (HOST_FORWARD_SHARE of the reference layer over its kernels)."""
-    kf, kb = stm.host_reference_kernels()
-    floor = stm.host_floor_from_probe(probe_ms)
-    return {"forward": floor * stm.HOST_FORWARD_SHARE / kf, "backward": floor * (1.0 - stm.HOST_FORWARD_SHARE) / kb}
+    """One host unit's milliseconds at this probe (step_time.host_unit_s)."""
+    unit_f, unit_b = stm.host_unit_s(stm.host_floor_from_probe(probe_ms))
+    return {"forward": unit_f, "backward": unit_b}
 
 
 def main(argv: list[str]) -> int:

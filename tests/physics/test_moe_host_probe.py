@@ -1,6 +1,7 @@
 """The MoE per-expert host constants against the one-H100 probe of Megatron's own TEGroupedMLP (issue 15)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "moe_host_accuracy
 
 @pytest.fixture(scope="module")
 def bench():
+    sys.path.insert(0, str(SCRIPT.parent))  # its sibling moe_kernel_accuracy, as when run as a script
     spec = importlib.util.spec_from_file_location("moe_host_accuracy", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -35,8 +35,9 @@ class GpuSpec(BaseModel):
 BARE_METAL_HOST_FLOOR_MS = 2.75
 """The host speed of a bare-metal DGX/HGX node (ClusterSpec.host_floor_ms_per_layer: ms to launch the reference
 layer's forward + backward), which published runs are planned with and a multi-node cluster gets by default
-(default_host_floor_ms): such hosts launch faster than this workplace's VMs (5.5, the GPU catalog's), which matters where a layer launches many small kernels (fine-grained MoE: a GEMM per
-local expert, the dispatcher's syncs). Chosen on the published rows outside the held-out third
+(default_host_floor_ms): such hosts launch faster than this workplace's VMs (5.5, the GPU catalog's), which
+matters where a layer launches many small kernels (fine-grained MoE: a GEMM per local expert, the dispatcher's
+syncs). Chosen on the published rows outside the held-out third
 (benchmarks/throughput_accuracy.py section 3) by mean |step error|, over 0.5-4 ms: the dense rows barely read it
 (median 5.1% at 1.0, 5.5% at 2.75), the fitted MoE rows decide (Megatron-MoE-ModelZoo Qwen3-235B #53-#55: mean 12.5%
 at 1.0, 6.0% at 2.75, 8.0% at 3.0, 11.8% at 3.25); the held-out published rows went 8.0% -> 6.0% median and

@@ -465,9 +465,9 @@ def experts(c, kit: MoeKit) -> dict:
     w_exp = local * kit.local_weights(lw, c.etp) + h * float(shape.num_experts)  # routed experts + router
     acc = kit.wgrad_s(w_exp, len(lw) * local + 1.0, impl, c.bw, c.bw_ew)
     per_f, per_b = PER_EXPERT_HOST_KERNELS[bool(grouped)]
-    if grouped and c.fp8:
-        for q_f, q_b in (FP8_PER_EXPERT_HOST_KERNELS,) + ((FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS,) if impl.fp8_current_scaling else ()):
-            per_f, per_b = per_f + q_f, per_b + q_b
+    if grouped and c.fp8:  # every recipe casts each expert's inputs; current scaling first takes their amax
+        cs_f, cs_b = FP8_CURRENT_SCALING_PER_EXPERT_HOST_KERNELS if impl.fp8_current_scaling else (0.0, 0.0)
+        per_f, per_b = per_f + FP8_PER_EXPERT_HOST_KERNELS[0] + cs_f, per_b + FP8_PER_EXPERT_HOST_KERNELS[1] + cs_b
     fix_f, fix_b = GROUPED_EXPERTS_HOST_KERNELS if grouped else (0.0, 0.0)
     if grouped and c.fp8 and not impl.moe_pad_to_capacity:
         fix_f, fix_b = fix_f + FP8_EXPERT_PADDING_HOST_KERNELS[0], fix_b + FP8_EXPERT_PADDING_HOST_KERNELS[1]

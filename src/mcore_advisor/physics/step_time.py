@@ -778,13 +778,19 @@ def _context(batch: LayoutBatch, hw: HardwareParams, fp8_rows: bool) -> _Ctx:
     )
 
 
+def host_unit_s(floor_s_per_layer: float) -> tuple[float, float]:
+    """Host seconds of one forward and one backward host unit on a host of this speed: the reference layer's
+    host time split by HOST_FORWARD_SHARE over its forward and backward kernels (host_reference_kernels)."""
+    k_f, k_b = host_reference_kernels()
+    return floor_s_per_layer * HOST_FORWARD_SHARE / k_f, floor_s_per_layer * (1.0 - HOST_FORWARD_SHARE) / k_b
+
+
 def _host_rates(hw: HardwareParams) -> dict:
     """Host seconds per forward and per backward kernel launch (HOST_FORWARD_SHARE)."""
     if hw.host_floor_s_per_layer <= 0:
         return {}
-    k_f, k_b = host_reference_kernels()
-    floor = hw.host_floor_s_per_layer
-    return {"host_f": floor * HOST_FORWARD_SHARE / k_f, "host_b": floor * (1.0 - HOST_FORWARD_SHARE) / k_b}
+    host_f, host_b = host_unit_s(hw.host_floor_s_per_layer)
+    return {"host_f": host_f, "host_b": host_b}
 
 
 def _hide(comm, behind, tax=OVERLAP_SM_TAX):
