@@ -673,11 +673,39 @@ def fp8_experts_spec_lines() -> list[dict]:
     return [_line(name, p, n, RUN_H, te=True) for name, p, n in fp8_experts_rows()]
 
 
+#: the sixteenth set (session s14, issue 15): s4's and s3's MoE plans again, as stored in their results files, now with
+#: the job's host probe and six measured iterations (those leases measured three, right after the profiler, and no
+#: host): s4's set read every plan 1.3-2.3x slower than predicted, its dense plans too (tp4_sp -51%, dp4_ddp_nooverlap
+#: -42% at 2% host share), s3's local MoE plans 22-42% faster; two of s4's dense plans ride along as the lease's control
+RUN_W = {"warmup_steps": 2, "measure_steps": 6, "profile_steps": None}
+RERUN = {"gpu_h100x4_runs.jsonl": ("moe8top2_ep4_alltoall", "moe8top2_ep4_allgather", "moe64top8_ep4_alltoall",
+                                   "moe64top8_ep4_allgather", "moe8top2_ep2_alltoall_fp8delayed",
+                                   "moe8top2_tp2_sp_ep2_etp1", "tp4_sp", "dp4_ddp_nooverlap"),
+         "gpu_h200x2_runs.jsonl": ("moe8top2_ep2_alltoall", "moe8top2_ep2_allgather", "moe64top8_ep2_alltoall",
+                                   "moe64top8_ep2_allgather")}
+
+
+def rerun_rows() -> list[tuple[str, Plan, int]]:
+    """W_<name> (s4's rows) and W_local_<name> (s3's): the stored plan of each, on the GPUs it ran on."""
+    rows = []
+    for fname, names in RERUN.items():
+        stored = {r["name"]: r for r in map(json.loads, (HERE.parent / "results" / fname).read_text().splitlines())
+                  if r.get("group") == "multi"}
+        tag = "W_local_" if "h200x2" in fname else "W_"
+        rows += [(tag + n, Plan.model_validate(stored[n]["plan"]), stored[n]["nproc"]) for n in names]
+    return rows
+
+
+def rerun_spec_lines() -> list[dict]:
+    return [_line(name, p, n, RUN_W, te=p.implementation.transformer_impl == "transformer_engine")
+            for name, p, n in rerun_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -692,7 +720,8 @@ def main(argv: list[str] | None = None) -> None:
                          "te_trace: the T_* plans (the TE MoE rows furthest off, every rank traced); "
                          "local_check: the Q_* plans (unfused attention's fp32 softmax, dropout, 4k keys without TE); "
                          "ep_overlap: the E_* plans (the all-to-all overlap and token drop on a Qwen3-30B EP8 rank's MoE); "
-                         "fp8_experts: the H_* plans (32 local experts on one GPU, bf16 and FP8 delayed / current scaling)")
+                         "fp8_experts: the H_* plans (32 local experts on one GPU, bf16 and FP8 delayed / current scaling); "
+                         "rerun: the W_* plans (s4's and s3's MoE plans again, with the host probe)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
@@ -700,7 +729,8 @@ def main(argv: list[str] | None = None) -> None:
                  "local": local_spec_lines, "ranks": ranks_spec_lines,
                  "local_more": local_more_spec_lines, "mla": mla_spec_lines, "peak": peak_spec_lines,
                  "te_trace": te_trace_spec_lines, "local_check": local_check_spec_lines,
-                 "ep_overlap": ep_overlap_spec_lines, "fp8_experts": fp8_experts_spec_lines}.get(
+                 "ep_overlap": ep_overlap_spec_lines, "fp8_experts": fp8_experts_spec_lines,
+                 "rerun": rerun_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None
