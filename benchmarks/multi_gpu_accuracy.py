@@ -20,19 +20,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "gpu"))
 
-from report_multi import real_row  # noqa: E402  (benchmarks/gpu)
+from report_multi import real_row, with_machine_probes  # noqa: E402  (benchmarks/gpu)
 
 RESULTS = HERE / "results"
 OUT = RESULTS / "multi_gpu_accuracy.txt"
 
 
 def rows() -> list[tuple[str, dict]]:
+    """Every multi-GPU row, with the earlier host probes of its machine (a row without a hostname: its file and call)."""
     out = []
     for path in sorted(RESULTS.glob("gpu_*x[0-9]*_runs.jsonl")):
+        kept = []
         for line in path.read_text().splitlines():
             r = json.loads(line)
             if r.get("status") == "ok" and r.get("group", "multi") == "multi" and (r.get("result") or {}).get("iter_s"):
-                out.append((path.stem.removesuffix("_runs"), {**r, "plan": r.get("plan_requested") or r["plan"]}))
+                kept.append({**r, "plan": r.get("plan_requested") or r["plan"]})
+        machines = [(path.stem, r.get("device_call")) for r in kept]
+        out += [(path.stem.removesuffix("_runs"), r) for r in with_machine_probes(kept, machines)]
     return out
 
 
@@ -62,8 +66,8 @@ def main() -> None:
     lines += ["", "summary:"]
     for s in sorted({s for s, _ in scored}):
         lines += score([x for x in scored if x[0] == s], s)
-    probe = [x for x in scored if x[0] in ("gpu_h100x4_L", "gpu_h100x2_R", "gpu_h100x2_S", "gpu_h100x2_R2", "gpu_h100x4_M", "gpu_h200x4_C", "gpu_h100x4_C", "gpu_h100x4_V", "gpu_h200x2_T", "gpu_h200x2_E", "gpu_h200x2_R3")]
-    lines += score(probe, "sets with the job's host probe (L, R, S, R2, M, C, V, T, E, R3)")
+    probe = [x for x in scored if x[0] in ("gpu_h100x4_L", "gpu_h100x2_R", "gpu_h100x2_S", "gpu_h100x2_R2", "gpu_h100x4_M", "gpu_h200x4_C", "gpu_h100x4_C", "gpu_h100x4_V", "gpu_h200x2_T", "gpu_h200x2_E", "gpu_h200x2_R3", "gpu_h200x4_W")]
+    lines += score(probe, "sets with the job's host probe (L, R, S, R2, M, C, V, T, E, R3, W)")
     # without Transformer Engine the job's probe times torch modules, which as_ran does not read: the N set is
     # predicted on the catalog's host figure, as a user's plan is
     lines += score([x for x in scored if x[0] in ("gpu_h100x4_N", "gpu_h100x4_N2", "gpu_h200x4_G", "gpu_h200x2_P", "gpu_h200x2_P2", "gpu_h200x4_Q")],

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import megatron_rows  # noqa: E402
 from _probe import probe_plan  # noqa: E402  (benchmarks/ is not a package)
-from report_multi import ran_plan  # noqa: E402  (the plan as a job ran it, on the GPU it ran on)
+from report_multi import ran_plan, with_machine_probes  # noqa: E402  (the plan as a job ran it, on the GPU it ran on)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -187,20 +187,24 @@ def one_gpu_cases() -> list[Case]:
 
 
 def multi_gpu_cases() -> list[Case]:
-    """Rows of Megatron-LM's loop on several GPUs (result.megatron present) from any other results file."""
+    """Rows of Megatron-LM's loop on several GPUs (result.megatron present) from any other results file, each
+    predicted on its machine's host probes up to its own (a row without a hostname: its file and call name it)."""
     out = []
     for p in sorted(RESULTS.glob("*.jsonl")):
         if p.name == megatron_rows.FILE:
             continue
+        kept = []
         for x in p.read_text().splitlines():
             r = json.loads(x) if x.strip() else {}
             res = r.get("result") or {}
-            if r.get("status") != "ok" or not isinstance(res.get("megatron"), dict) or "plan" not in r \
-                    or res.get("mode") != "profile" or not res.get("iter_s"):
-                continue
-            # the plan as asked for, so the job's record (host probe, routing) is read by the code at this commit
-            # and not by the code that wrote the row (report_multi keeps its as-ran plan under "plan")
-            plan = ran_plan({**r, "plan": r.get("plan_requested") or r["plan"]})
+            if r.get("status") == "ok" and isinstance(res.get("megatron"), dict) and "plan" in r \
+                    and res.get("mode") == "profile" and res.get("iter_s"):
+                # the plan as asked for, so the job's record (host probe, routing) is read by the code at this commit
+                # and not by the code that wrote the row (report_multi keeps its as-ran plan under "plan")
+                kept.append({**r, "plan": r.get("plan_requested") or r["plan"]})
+        for r in with_machine_probes(kept, [(p.stem, r.get("device_call")) for r in kept]):
+            res = r["result"]
+            plan = ran_plan(r)
             held = r["held_out"] if isinstance(r.get("held_out"), bool) else megatron_rows.held_out(r["name"])
             spec = "TE" if plan.implementation.transformer_impl == "transformer_engine" else "local"
             out.append(Case(f"{r['name']} ({p.stem})", plan, _tps(plan, res["iter_s"]), "Megatron iteration time", [],
@@ -372,6 +376,12 @@ def moe_section(one: list[Case], multi: list[Case], pub: list[Case]) -> list[str
         for title, cases in groups:
             lines.append(_stats(title[:30], [c for c in cases if keep(c)]))
         lines.append(_stats("all MoE rows", [c for c in every if keep(c)]))
+    # a host-bound row is only as right as the host figure it is predicted on: rows whose job probed the host (or
+    # a published row's bare-metal figure) apart from rows on the catalog's VM figure (s3's, s4's and the
+    # local-spec sets' leases recorded no TE probe; the W set re-ran s3's and s4's MoE plans with one)
+    lines += ["  -- every row, by the host figure it is predicted on",
+              _stats("a measured host", [c for c in every if c.plan.cluster.host_floor_ms_per_layer is not None]),
+              _stats("the catalog's figure", [c for c in every if c.plan.cluster.host_floor_ms_per_layer is None])]
     return lines
 
 

@@ -11,6 +11,8 @@
 #   2. the rows of benchmarks/gpu/specs_multi.jsonl (configs_multi.py) in file order until the deadline
 #      (runner.py --share-multi: 2-GPU rows run two at a time and one-GPU rows four at a time, each row
 #      recording what ran beside it).
+# Before the lease: `git describe --always --dirty --abbrev=40 > benchmarks/gpu/git_state.txt` and carry that file with
+# `all` (git ignores it, so a stale copy never travels; runner.py records "unknown" without it).
 # `more` runs the rows that no earlier call of this lease started. Everything comes back in a few files
 # under $OUT; merge here with benchmarks/gpu/report_multi.py.
 # NVLink multicast stays off (KINDS.md), TE's userbuffers included (UB_SKIPMC: tp_comm_overlap would

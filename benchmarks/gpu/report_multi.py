@@ -29,7 +29,7 @@ from pathlib import Path
 from configs_multi import held_out
 
 from mcore_advisor.knowledge.hardware import gpu, gpu_key_from_label
-from mcore_advisor.launcher.as_ran import as_ran
+from mcore_advisor.launcher.as_ran import as_ran, earlier_machine_probes
 from mcore_advisor.physics.memory import memory_breakdown
 from mcore_advisor.physics.step_time import NVLINK_EFFICIENCY, ring_collective_s
 from mcore_advisor.schemas import Plan, parallel_dims, with_changes
@@ -57,9 +57,20 @@ def _misc(call: Path) -> dict[str, str]:
     return out
 
 
+def with_machine_probes(rows: list[dict], machines: list) -> list[dict]:
+    """The rows (in the order they ran) with the earlier host probes of each one's machine (as_ran.earlier_machine_probes);
+    `machines` names each row's machine where its result has no hostname (rows before s14: its results file and call)."""
+    earlier = earlier_machine_probes([r.get("result") for r in rows], machines)
+    return [{**r, "machine_probes_ms": e} for r, e in zip(rows, earlier, strict=True)]
+
+
+def _as_ran(row: dict):
+    return as_ran(Plan.model_validate(row["plan"]), row.get("result"), row.get("machine_probes_ms", ()))
+
+
 def ran_plan(row: dict) -> Plan:
     """The plan as the job ran it, on the GPU it ran on."""
-    plan = as_ran(Plan.model_validate(row["plan"]), row.get("result")).plan
+    plan = _as_ran(row).plan
     key = gpu_key_from_label((row.get("result") or {}).get("device") or "")
     return with_changes(plan, "cluster", gpu=key) if key and key != plan.cluster.gpu else plan
 
@@ -116,7 +127,7 @@ def real_row(row: dict, call: str) -> dict:
     mem_err = [_err(p, m) for p, m in zip(per_rank, meas_mem, strict=False)]
     meas_parts, pred_parts = _trace_parts(res), _predicted_parts(bd)
     step_err = _err(perf["iteration_time_s"], res["iter_s"])
-    out.update(plan=plan.model_dump(mode="json"), differences=as_ran(Plan.model_validate(row["plan"]), res).differences,
+    out.update(plan=plan.model_dump(mode="json"), differences=_as_ran(row).differences,
                prediction={"iteration_time_s": perf["iteration_time_s"], "tflops_per_gpu_causal": perf["model_tflops_per_gpu_causal"],
                            "peak_allocated_gib_per_rank": per_rank, "breakdown": bd, "parts": pred_parts,
                            "dims": {"tp": d.tp, "pp": d.pp, "vp": d.vp, "cp": d.cp, "ep": d.ep, "dp": d.dp}},
@@ -357,7 +368,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("dirs", nargs="+")
     a = ap.parse_args(argv)
     data = load([Path(d) for d in a.dirs], a.session)
-    runs = [real_row(r, c) for r, c in data["runs"]]
+    # a call's rows without a hostname: one machine per call (a lease may span calls; kept apart, the safe side)
+    ordered = with_machine_probes([r for r, _ in data["runs"]], [(a.session, c) for _, c in data["runs"]])
+    runs = [real_row(r, c) for r, (_, c) in zip(ordered, data["runs"], strict=True)]
     device = next((r["result"]["device"] for r in runs if (r.get("result") or {}).get("device")), "unknown")
     # a call whose every row failed before CUDA came up names no device: its rows are kept, the probes' model is not
     key = gpu_key_from_label(device) or a.gpu

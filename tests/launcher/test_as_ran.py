@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from mcore_advisor.launcher import jobs
-from mcore_advisor.launcher.as_ran import as_ran, rank_terms
+from mcore_advisor.launcher.as_ran import MACHINE_PROBES_KEPT, as_ran, earlier_machine_probes, rank_terms
+from mcore_advisor.launcher.store import JobStore, record_from
 from mcore_advisor.physics.memory import GIB, memory_breakdown
-from mcore_advisor.physics.step_time import step_time
+from mcore_advisor.physics.step_time import HOST_PROBE_TO_LAYER, step_time
 from mcore_advisor.schemas import ClusterSpec, ModelSpec, Plan, TrainingSpec, with_changes
 
 PLAN = Plan(model=ModelSpec(name="gpt3-1.3b"), cluster=ClusterSpec(gpu="h200", num_gpus=1),
@@ -135,3 +136,49 @@ def test_a_miss_share_replayed_at_another_cache_than_the_run_had_is_not_used():
     same = {**rec, "heuristic_cache_row_counts": 65536 // 6}
     ok = as_ran(PLAN, {**AS_RENDERED, "host": {"cublaslt_heuristics_cache_capacity": 65536}, "moe_routing": same})
     assert ok.plan.implementation.moe_heuristic_miss_share == 0.8
+
+
+def _probed(ms: float, host: str | None = "node-a", impl: str = "transformer_engine", cache: int | None = None) -> dict:
+    report = {"probe": {"ms_per_layer": ms, "impl": impl}, "cublaslt_heuristics_cache_capacity": cache}
+    return {**AS_RENDERED, "device": "NVIDIA H200", "host": {**report, **({"hostname": host} if host else {})}}
+
+
+def test_a_machines_earlier_probes_are_pooled_by_hostname_cache_setting_and_order():
+    results = [_probed(4.0), _probed(9.0, host="node-b"), _probed(5.0), _probed(6.0, cache=0), _probed(7.0, impl="torch"),
+               None, _probed(8.0)]
+    earlier = earlier_machine_probes(results, [None] * len(results))
+    # node-a's third TE probe sees its first two; node-b, the cache-off job and the torch probe start their own
+    assert earlier == [[], [], [4.0], [], [], [], [4.0, 5.0]]
+    # rows without a hostname pool only under the machine their caller names
+    bare = [_probed(4.0, host=None), _probed(6.0, host=None), _probed(8.0, host=None)]
+    assert earlier_machine_probes(bare, [None, None, None]) == [[], [], []]
+    assert earlier_machine_probes(bare, ["call1", "call1", "call2"]) == [[], [4.0], []]
+    many = [_probed(float(i)) for i in range(MACHINE_PROBES_KEPT + 3)]
+    assert earlier_machine_probes(many, [None] * len(many))[-1] == [float(i) for i in range(2, MACHINE_PROBES_KEPT + 2)]
+
+
+def test_the_host_speed_is_the_median_of_the_jobs_probe_and_its_machines_earlier_ones():
+    alone = as_ran(PLAN, _probed(8.0))
+    pooled = as_ran(PLAN, _probed(8.0), machine_probes=[4.0, 5.0])
+    assert alone.plan.cluster.host_floor_ms_per_layer == pytest.approx(8.0 * HOST_PROBE_TO_LAYER)
+    assert pooled.plan.cluster.host_floor_ms_per_layer == pytest.approx(5.0 * HOST_PROBE_TO_LAYER)
+    assert any("8.00 ms per TE layer; the median with this machine's 2 earlier probes: 5.00 ms" in d for d in pooled.differences)
+    assert step_time(pooled.plan).iteration_time_s < step_time(alone.plan).iteration_time_s
+
+
+def test_get_job_predicts_on_the_probes_of_the_jobs_that_ran_on_the_same_machine_before(tmp_path):
+    store = JobStore(tmp_path / "jobs.db")
+    manager = jobs.JobManager(store, job_root=tmp_path / "jobs")
+    plan = PLAN.model_dump(mode="json")
+    for i, (ms, host) in enumerate([(4.0, "node-a"), (30.0, "node-b"), (5.0, "node-a"), (8.0, "node-a"), (3.0, "node-a")]):
+        rec = record_from(job_id=f"j{i}", name="n", backend="local", job_dir=tmp_path / f"j{i}", command=["x"], plan=plan,
+                          spec={}, resources={}, created_at=1000.0 + i)
+        store.insert(rec)
+        store.update(rec.job_id, state="COMPLETED", result=_probed(ms, host))
+    # j3 (8.0 ms on node-a) ran after j0 and j2 there (4.0, 5.0); node-b's job and the later j4 do not count
+    assert manager._machine_probes(store.get("j3")) == [4.0, 5.0]
+    figures, note = jobs._as_ran_prediction(plan, store.get("j3").result, manager._machine_probes(store.get("j3")))
+    expected = as_ran(PLAN, _probed(8.0), machine_probes=[4.0, 5.0]).plan
+    assert figures.iteration_time_s == pytest.approx(step_time(expected).iteration_time_s)
+    assert "the median with this machine's 2 earlier probes: 5.00 ms" in note
+    assert manager._machine_probes(store.get("j1")) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,8 @@ def test_a_tiny_gpt_trains_in_megatrons_own_loop_and_the_result_reads_megatrons_
     assert r["trace"] == "torch_profile/rank-0.json.gz" and (out / r["trace"]).exists()
     assert r["exposed_comm_method"].startswith("cpu ops") and r["exposed_comm_s"] >= 0
     assert len(r["host"]["gc_pause_s_per_iteration"]) == 5 and len(r["host_step_times_s"]) == 5
+    # the machine the job ran on, which pools its host probes with the next jobs' there (as_ran.machine_key)
+    assert r["host"]["hostname"] == socket.gethostname()
     log = (out / "train.log").read_text()
     assert "------------------------ arguments ------------------------" in log and "iteration        5/       5 |" in log
 

@@ -6,13 +6,21 @@ grouped GEMM, ...). result.json records Megatron's parsed arguments (`settings`)
 `transformer_impl`; measured figures are only comparable with a prediction for the plan those
 describe, so get_job and the accuracy benchmarks predict for it.
 
+The host speed a job predicts with is its host probe's (entry/host_probe.py), taken with the probes
+of the jobs that ran on the same machine before it (`earlier_machine_probes`): one probe reads a
+machine's host with a spread of -30/+40% between processes whose steps differ by 5% (s13's H rows:
+7.2 and 5.2 ms for one plan), and the median over a machine's jobs tracks their steps better
+(benchmarks/results/host_history.txt).
+
 A memory_at_scale job measures one rank of the plan's world (a fake process group); its prediction
 is the memory model's figure for that rank's pipeline stage (`rank_memory`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import statistics
+from collections import defaultdict
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +38,38 @@ class AsRan:
     differences: list[str] = field(default_factory=list)
 
 
-def as_ran(plan: Plan, result: Mapping[str, Any] | None) -> AsRan:
-    """`plan` with the implementation choices the job's result.json says Megatron used."""
+#: how many of a machine's earlier probes join a job's own (the most recent; a VM's host drifts over hours)
+MACHINE_PROBES_KEPT = 10
+
+
+def machine_key(result: Mapping[str, Any] | None, fallback: Hashable | None = None) -> tuple | None:
+    """Which machine's host a result's probe timed: its hostname (jobs since s14; `fallback` names the machine
+    of older rows), GPU and cuBLASLt cache setting (the probe's GEMMs query the heuristics). None without a
+    Transformer Engine probe, which is the only one as_ran reads."""
+    host = (result or {}).get("host") or {}
+    probe = host.get("probe") or {}
+    name = host.get("hostname") or fallback
+    if name is None or probe.get("impl") != "transformer_engine" or "ms_per_layer" not in probe:
+        return None
+    return (name, (result or {}).get("device"), host.get("cublaslt_heuristics_cache_capacity"))
+
+
+def earlier_machine_probes(results: Sequence[Mapping[str, Any] | None],
+                           fallbacks: Sequence[Hashable | None]) -> list[list[float]]:
+    """For each result, in the order the jobs ran, the probes (ms per layer) of the earlier jobs on its machine."""
+    seen: dict[tuple, list[float]] = defaultdict(list)
+    out = []
+    for result, fallback in zip(results, fallbacks, strict=True):
+        key = machine_key(result, fallback)
+        out.append(seen[key][-MACHINE_PROBES_KEPT:] if key else [])
+        if key:
+            seen[key].append(float(result["host"]["probe"]["ms_per_layer"]))  # type: ignore[index]
+    return out
+
+
+def as_ran(plan: Plan, result: Mapping[str, Any] | None, machine_probes: Sequence[float] = ()) -> AsRan:
+    """`plan` with the implementation choices the job's result.json says Megatron used, on the host speed its
+    probe and `machine_probes` (the earlier probes of its machine: `earlier_machine_probes`) measured."""
     if not result:
         return AsRan(plan)
     im = plan.implementation
@@ -56,7 +94,7 @@ def as_ran(plan: Plan, result: Mapping[str, Any] | None) -> AsRan:
         plan = with_changes(plan, "implementation", cublaslt_heuristics_cache_capacity=int(cache))
         diffs = diffs + [f"cublaslt_heuristics_cache_capacity {int(cache)} (the job's environment)"]
     plan, diffs = _with_measured_routing(plan, result, diffs)
-    return _on_measured_host(plan, result, diffs)
+    return _on_measured_host(plan, result, diffs, machine_probes)
 
 
 def _with_measured_routing(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -> tuple[Plan, list[str]]:
@@ -93,16 +131,21 @@ def _replayed_at_the_runs_cache(rec: Mapping[str, Any], result: Mapping[str, Any
     return replayed == cache_row_counts(capacity)
 
 
-def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str]) -> AsRan:
-    """The plan on the host speed the job measured (entry/host_probe.py), unless the plan sets its own."""
+def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str], machine_probes: Sequence[float]) -> AsRan:
+    """The plan on the host speed the job measured (entry/host_probe.py) with its machine's earlier probes,
+    unless the plan sets its own."""
     host = result.get("host") or {}
     probe = host.get("probe") or {}
     if plan.cluster.host_floor_ms_per_layer is not None or probe.get("impl") != "transformer_engine":
         return AsRan(plan, diffs)
     cache_off = host.get("cublaslt_heuristics_cache_capacity") == 0
-    floor = host_floor_from_probe(float(probe["ms_per_layer"]), heuristics_cache_off=cache_off)
-    diffs = diffs + [f"host_floor_ms_per_layer {floor:.2f} (the job's host probe: {float(probe['ms_per_layer']):.2f} ms "
-                     f"per TE layer{', less its GEMMs heuristic queries: the cache was off' if cache_off else ''})"]
+    own = float(probe["ms_per_layer"])
+    ms = statistics.median([own, *machine_probes])
+    floor = host_floor_from_probe(ms, heuristics_cache_off=cache_off)
+    with_earlier = (f"; the median with this machine's {len(machine_probes)} earlier probes: {ms:.2f} ms"
+                    if machine_probes else "")
+    diffs = diffs + [f"host_floor_ms_per_layer {floor:.2f} (the job's host probe: {own:.2f} ms per TE layer{with_earlier}"
+                     f"{', less its GEMMs heuristic queries: the cache was off' if cache_off else ''})"]
     return AsRan(with_changes(plan, "cluster", host_floor_ms_per_layer=round(floor, 4)), diffs)
 
 

@@ -35,7 +35,7 @@ from mcore_advisor.tools.mfu import MfuRequest, check_mfu
 from mcore_advisor.tools.render import RenderRequest, render_launch_script
 from mcore_advisor.validators import validate
 
-from .as_ran import as_ran, rank_terms
+from .as_ran import as_ran, earlier_machine_probes, machine_key, rank_terms
 from .backends.base import (
     ERROR_FILE,
     JOB_ENV_MARKER,
@@ -83,6 +83,8 @@ LOG_TAIL_LINES = 40
 LOG_TAIL_BYTES = 8192
 DIAGNOSIS_LOG_BYTES = 256 * 1024
 UNSUBMITTED_GRACE_S = 120.0
+#: completed jobs read for a machine's earlier host probes (newest first; as_ran keeps the last MACHINE_PROBES_KEPT)
+MACHINE_JOBS_SCANNED = 200
 
 # What get_job/list_jobs report: a stored state, or UNKNOWN while the backend cannot be asked (the
 # stored state is then left as it was: a controller outage is not a job failure).
@@ -255,13 +257,15 @@ def _predict(plan: Plan) -> dict[str, Any] | None:
         return None
 
 
-def _as_ran_prediction(plan: Mapping[str, Any], result: Mapping[str, Any] | None) -> tuple[PredictedFigures | None, str | None]:
-    """Predicted figures for the plan as the job ran it, when the entry fell back from the plan
-    (no Transformer Engine, no Apex, ...); (None, None) when it ran the plan as given."""
+def _as_ran_prediction(plan: Mapping[str, Any], result: Mapping[str, Any] | None,
+                       machine_probes: Sequence[float] = ()) -> tuple[PredictedFigures | None, str | None]:
+    """Predicted figures for the plan as the job ran it (the entry's fall-backs from the plan: no Transformer
+    Engine, no Apex, ...; the host its probe and `machine_probes` measured); (None, None) when it ran the plan
+    as given."""
     if not result:
         return None, None
     try:
-        ran = as_ran(Plan.model_validate(plan), result)
+        ran = as_ran(Plan.model_validate(plan), result, machine_probes)
     except ValueError:
         return None, None
     if not ran.differences:
@@ -667,6 +671,15 @@ class JobManager:
             error=_unreachable_error(rec, unreachable) if unreachable else rec.error,
         )
 
+    def _machine_probes(self, rec: JobRecord) -> list[float]:
+        """The host probes of the completed jobs that ran on rec's machine before it (as_ran.earlier_machine_probes)."""
+        if machine_key(rec.result) is None:
+            return []
+        earlier = [r for r in self.store.list(state="COMPLETED", limit=MACHINE_JOBS_SCANNED) if r.created_at < rec.created_at]
+        earlier.sort(key=lambda r: r.created_at)
+        results = [r.result for r in earlier] + [rec.result]
+        return earlier_machine_probes(results, [None] * len(results))[-1]
+
     def _status(self, rec: JobRecord, unreachable: str | None = None) -> JobStatus:
         job_dir = Path(rec.job_dir)
         log_file = None
@@ -679,7 +692,7 @@ class JobManager:
         if rec.state == "FAILED":
             stderr_tail = tail_text(job_dir / STDERR_FILE, max_lines=LOG_TAIL_LINES, max_bytes=LOG_TAIL_BYTES)
         predicted = predicted_figures(rec.predicted)
-        ran_predicted, ran_note = _as_ran_prediction(rec.plan, rec.result)
+        ran_predicted, ran_note = _as_ran_prediction(rec.plan, rec.result, self._machine_probes(rec))
         if ran_predicted is not None:
             predicted = ran_predicted
         terms = None

@@ -755,6 +755,7 @@ class Job:
         except (AttributeError, OSError):
             usable = None
         return {
+            "hostname": socket.gethostname(),
             "cpu_count": os.cpu_count(),
             "cublaslt_heuristics_cache_capacity": _env_int("CUBLASLT_HEURISTICS_CACHE_CAPACITY"),
             "cpus_usable": usable,

@@ -61,6 +61,8 @@ class HostProbe(TypedDict, total=False):
 
 
 class HostReport(TypedDict):
+    hostname: NotRequired[str]
+    """The node of the measured rank (jobs since s14): as_ran.machine_key pools a machine's probes by it."""
     cpu_count: int | None
     cpus_usable: int | None
     local_processes_of_this_job: int
