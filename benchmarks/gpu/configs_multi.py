@@ -685,12 +685,16 @@ RERUN = {"gpu_h100x4_runs.jsonl": ("moe8top2_ep4_alltoall", "moe8top2_ep4_allgat
                                    "moe64top8_ep2_allgather")}
 
 
+def _stored_plans(fname: str) -> dict[str, dict]:
+    return {r["name"]: r for r in map(json.loads, (HERE.parent / "results" / fname).read_text().splitlines())
+            if r.get("group") == "multi"}
+
+
 def rerun_rows() -> list[tuple[str, Plan, int]]:
     """W_<name> (s4's rows) and W_local_<name> (s3's): the stored plan of each, on the GPUs it ran on."""
     rows = []
     for fname, names in RERUN.items():
-        stored = {r["name"]: r for r in map(json.loads, (HERE.parent / "results" / fname).read_text().splitlines())
-                  if r.get("group") == "multi"}
+        stored = _stored_plans(fname)
         tag = "W_local_" if "h200x2" in fname else "W_"
         rows += [(tag + n, Plan.model_validate(stored[n]["plan"]), stored[n]["nproc"]) for n in names]
     return rows
@@ -701,11 +705,33 @@ def rerun_spec_lines() -> list[dict]:
             for name, p, n in rerun_rows()]
 
 
+#: the seventeenth set (session s14, issue 15): four one-GPU MoE plans of the F and H sets again on one H100, three of
+#: them twice or three times, interleaved, in one lease: how far one job's host probe and one job's step move between
+#: jobs of the same machine, and whether the median with the machine's earlier probes (as_ran.earlier_machine_probes,
+#: by the hostname these jobs record) predicts the steps better than each job's own probe
+REPEAT = (("X_q30rank_bf16_a", "gpu_h100_H_runs.jsonl", "H_q30rank_ep1_forced_bf16"),
+          ("X_qwen30like_mbs4_a", "gpu_h100_F_runs.jsonl", "F_qwen30like_e128k8_s4k_mbs4"),
+          ("X_gptossrank_a", "gpu_h100_F_runs.jsonl", "F_gptossrank_e64k2_s4k"),
+          ("X_qwen235rank_a", "gpu_h100_F_runs.jsonl", "F_qwen235rank_e16k2_s4k"),
+          ("X_q30rank_bf16_b", "gpu_h100_H_runs.jsonl", "H_q30rank_ep1_forced_bf16"),
+          ("X_qwen30like_mbs4_b", "gpu_h100_F_runs.jsonl", "F_qwen30like_e128k8_s4k_mbs4"),
+          ("X_gptossrank_b", "gpu_h100_F_runs.jsonl", "F_gptossrank_e64k2_s4k"),
+          ("X_q30rank_bf16_c", "gpu_h100_H_runs.jsonl", "H_q30rank_ep1_forced_bf16"))
+
+
+def repeat_rows() -> list[tuple[str, Plan, int]]:
+    return [(name, Plan.model_validate(_stored_plans(fname)[src]["plan_requested"]), 1) for name, fname, src in REPEAT]
+
+
+def repeat_spec_lines() -> list[dict]:
+    return [_line(name, p, n, RUN_W, te=True) for name, p, n in repeat_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun", "repeat"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -721,7 +747,8 @@ def main(argv: list[str] | None = None) -> None:
                          "local_check: the Q_* plans (unfused attention's fp32 softmax, dropout, 4k keys without TE); "
                          "ep_overlap: the E_* plans (the all-to-all overlap and token drop on a Qwen3-30B EP8 rank's MoE); "
                          "fp8_experts: the H_* plans (32 local experts on one GPU, bf16 and FP8 delayed / current scaling); "
-                         "rerun: the W_* plans (s4's and s3's MoE plans again, with the host probe)")
+                         "rerun: the W_* plans (s4's and s3's MoE plans again, with the host probe); "
+                         "repeat: the X_* plans (one-GPU MoE plans of F and H again, some twice, on one machine)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
@@ -730,7 +757,7 @@ def main(argv: list[str] | None = None) -> None:
                  "local_more": local_more_spec_lines, "mla": mla_spec_lines, "peak": peak_spec_lines,
                  "te_trace": te_trace_spec_lines, "local_check": local_check_spec_lines,
                  "ep_overlap": ep_overlap_spec_lines, "fp8_experts": fp8_experts_spec_lines,
-                 "rerun": rerun_spec_lines}.get(
+                 "rerun": rerun_spec_lines, "repeat": repeat_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None
