@@ -1,7 +1,8 @@
 #!/bin/bash
 # Multi-GPU evidence (issues 20, 14 and 15) in one lease of a machine of N GPUs, from the repository root:
 #   bash benchmarks/gpu/multi_gpu.sh part     # each call that carries one .te/pK part of the TE core wheel (9 of 30 MiB)
-#   bash benchmarks/gpu/multi_gpu.sh all      # the call after the parts: carries .whl, .whl2 and .snap
+#   bash benchmarks/gpu/multi_gpu.sh stash    # a call that carries .whl or .whl2 alone: kept in /tmp/stash for `all`
+#   bash benchmarks/gpu/multi_gpu.sh all      # the call after the parts (and stashes): carries .whl, .whl2 unless stashed
 #   bash benchmarks/gpu/multi_gpu.sh more     # later calls on the same warm machine: the rows not run yet
 #   bash benchmarks/gpu/multi_gpu.sh kernels  # the MoE kernel probes (benchmarks/kernel_probe.py moe), GPU 0
 # `all` (MULTI_BUDGET_S seconds, default 570):
@@ -53,9 +54,15 @@ rows() {  # every row of $SPECS that no call of this lease started yet, in file 
 
 pack() { tar czf "$OUT/misc.tar.gz" -C "$OUT" misc && rm -rf "$OUT/misc"; stamp "done; files: $(cd "$OUT" && find . -type f | tr '\n' ' ')"; }
 
+# The working tree and the carried paths travel within 64 MiB per call: once the tracked tree outgrew a TE part plus
+# both wheel folders, each of .whl and .whl2 travels in a call of its own and waits in /tmp/stash (a warm machine keeps /tmp).
+unstash() { for d in .whl .whl2; do [ ! -d "$d" ] && [ -d "/tmp/stash/$d" ] && cp -r "/tmp/stash/$d" .; done; ls -d .whl .whl2 2>&1; }
+
 case ${1:-} in
   part) bash $HERE/run_all.sh part ;;
+  stash) mkdir -p /tmp/stash; for d in .whl .whl2; do [ -d "$d" ] && cp -r "$d" /tmp/stash/; done; ls /tmp/stash ;;
   all)
+    unstash
     bash $HERE/run_all.sh part  # the last part travels with this call
     OUT="$OUT/misc" bash $HERE/run_all.sh setup
     probes_during_build
@@ -66,5 +73,5 @@ case ${1:-} in
     CUDA_VISIBLE_DEVICES=0 OUT="$OUT" timeout $(( $(left) - 20 )) python3 benchmarks/kernel_probe.py moe \
       > "$OUT/misc/kernel_probe.log" 2>&1; echo "kernel probe rc=$?" >> "$OUT/misc/kernel_probe.log"
     tail -3 "$OUT/misc/kernel_probe.log"; pack ;;
-  *) echo "usage: multi_gpu.sh part|all|more|kernels"; exit 2 ;;
+  *) echo "usage: multi_gpu.sh part|stash|all|more|kernels"; exit 2 ;;
 esac

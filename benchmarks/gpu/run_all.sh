@@ -35,7 +35,7 @@ for st in "${stages[@]}"; do
     python3 -c "import megatron.core, pydantic; print('megatron-core', megatron.core.__version__ if hasattr(megatron.core,'__version__') else '?', 'pydantic', pydantic.__version__)" >> "$OUT/setup.log" 2>&1
     tail -3 "$OUT/setup.log" ;;
   part)
-    stamp part; for p in .te/p*/* .te3/p*/*; do [ -f "$p" ] && cp "$p" /tmp/te/; done; ls -la /tmp/te ;;
+    stamp part; for p in .te/p*/* .te3/p*/* .te4/p*/*; do [ -f "$p" ] && cp "$p" /tmp/te/; done; ls -la /tmp/te ;;
   te)
     stamp te
     cat /tmp/te/part0* > /tmp/te/$TE_WHEEL || exit 3
