@@ -153,6 +153,9 @@ def test_a_machines_earlier_probes_are_pooled_by_hostname_cache_setting_and_orde
     bare = [_probed(4.0, host=None), _probed(6.0, host=None), _probed(8.0, host=None)]
     assert earlier_machine_probes(bare, [None, None, None]) == [[], [], []]
     assert earlier_machine_probes(bare, ["call1", "call1", "call2"]) == [[], [4.0], []]
+    # one hostname over two boots (a VM lease's generic 'vm' on two machines) is two machines
+    booted = [{**r, "host": {**r["host"], "boot_id": b}} for r, b in zip([_probed(4.0), _probed(6.0), _probed(8.0)], "aba", strict=True)]
+    assert earlier_machine_probes(booted, [None] * 3) == [[], [], [4.0]]
     many = [_probed(float(i)) for i in range(MACHINE_PROBES_KEPT + 3)]
     assert earlier_machine_probes(many, [None] * len(many))[-1] == [float(i) for i in range(2, MACHINE_PROBES_KEPT + 2)]
 

@@ -88,6 +88,7 @@ def test_a_tiny_gpt_trains_in_megatrons_own_loop_and_the_result_reads_megatrons_
     assert len(r["host"]["gc_pause_s_per_iteration"]) == 5 and len(r["host_step_times_s"]) == 5
     # the machine the job ran on, which pools its host probes with the next jobs' there (as_ran.machine_key)
     assert r["host"]["hostname"] == socket.gethostname()
+    assert r["host"]["boot_id"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     log = (out / "train.log").read_text()
     assert "------------------------ arguments ------------------------" in log and "iteration        5/       5 |" in log
 

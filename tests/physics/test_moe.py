@@ -322,3 +322,23 @@ def test_evaluate_warns_when_uneven_fine_grained_experts_thrash_the_cublaslt_cac
         fixed = evaluate_plan(with_changes(plan, "implementation", **fix))
         assert not [f for f in fixed.findings if f.code == "expert_gemm_cache_thrash"]
     assert evaluate_plan(_plan()).performance.moe_expert_gemm_miss_share == 0.0  # forced routing, 8 experts
+
+
+def test_query_and_key_norms_are_two_norm_modules_in_every_layer_that_the_host_issues_whole():
+    """--qk-layernorm (Qwen3): TE's spec makes q_layernorm and k_layernorm norm modules of their own, each issued
+    like the MoE layer's pre-MLP norm (moe.NORM_OP_HOST_KERNELS), and a pass over each head's q and k."""
+    _, plain = _ctx(_plan())
+    cq, qk = _ctx(_plan({**MOE8, "qk_layernorm": True}))
+    two_f, two_b = 2 * moe.NORM_OP_HOST_KERNELS[0], 2 * moe.NORM_OP_HOST_KERNELS[1]
+    assert float((qk.dense["kernels_f"] - plain.dense["kernels_f"])[0]) == pytest.approx(two_f)
+    assert float((qk.dense["kernels_b"] - plain.dense["kernels_b"])[0]) == pytest.approx(two_b)
+    # the MoE layer keeps its attention part whole: the norms are not scaled by the dense MLP's host share
+    f0, b0 = moe.attention_part_kernels(plain)
+    f1, b1 = moe.attention_part_kernels(qk)
+    assert (float((f1 - f0)[0]), float((b1 - b0)[0])) == (pytest.approx(two_f), pytest.approx(two_b))
+    # GPU: 16 query + 4 key heads of 64 at 4 x 2,048 tokens, read + written in bf16 (4 B an element), and the launches
+    extra_bytes = 4 * 2048 * (16 + 4) * 64 * 4
+    expected = extra_bytes / cq.bw_ew + two_f * stm.KERNEL_LAUNCH_S
+    assert float((qk.ew.ew_f_s - plain.ew.ew_f_s)[0]) == pytest.approx(float(expected), rel=1e-9)
+    slower = step_time(_plan({**MOE8, "qk_layernorm": True})).iteration_time_s
+    assert slower > step_time(_plan()).iteration_time_s

@@ -43,15 +43,15 @@ MACHINE_PROBES_KEPT = 10
 
 
 def machine_key(result: Mapping[str, Any] | None, fallback: Hashable | None = None) -> tuple | None:
-    """Which machine's host a result's probe timed: its hostname (jobs since s14; `fallback` names the machine
-    of older rows), GPU and cuBLASLt cache setting (the probe's GEMMs query the heuristics). None without a
-    Transformer Engine probe, which is the only one as_ran reads."""
+    """Which machine's host a result's probe timed: its hostname and boot id (jobs since s14: VMs share names
+    like 'vm'; `fallback` names the machine of older rows), GPU and cuBLASLt cache setting (the probe's GEMMs
+    query the heuristics). None without a Transformer Engine probe, which is the only one as_ran reads."""
     host = (result or {}).get("host") or {}
     probe = host.get("probe") or {}
     name = host.get("hostname") or fallback
     if name is None or probe.get("impl") != "transformer_engine" or "ms_per_layer" not in probe:
         return None
-    return (name, (result or {}).get("device"), host.get("cublaslt_heuristics_cache_capacity"))
+    return (name, host.get("boot_id"), (result or {}).get("device"), host.get("cublaslt_heuristics_cache_capacity"))
 
 
 def earlier_machine_probes(results: Sequence[Mapping[str, Any] | None],

@@ -63,12 +63,15 @@ DENSE_MLP_HOST_SHARE = (0.27, 0.41)
 """Share of a dense layer's host time (forward, backward) in its MLP: fc1 with its fused norm, the
 activation, fc2 and their weight-gradient nodes. Dense traces: 0.28 / 0.39 (d13, one H100), 0.26 / 0.43
 (dp4, 4 x H100). An MoE layer keeps the rest of the dense layer (attention, residual adds) plus a separate
-pre-MLP norm (PRE_MLP_NORM_HOST_KERNELS); a shared expert makes the same three module calls as the dense
+pre-MLP norm (NORM_OP_HOST_KERNELS); a shared expert makes the same three module calls as the dense
 MLP (traces: 4.0 / 11.9 units against 4.3 / 15.6 at this share)."""
 
-PRE_MLP_NORM_HOST_KERNELS = (1.7, 3.3)
-"""The MoE layer's pre-MLP norm (TE's fused norm op; a dense layer fuses it into fc1's LayerNormLinear):
-forward call and backward node with its weight-gradient accumulation (traces: 1.8 / 3.2 and 1.6 / 3.5)."""
+NORM_OP_HOST_KERNELS = (1.7, 3.3)
+"""A norm issued as a module of its own (TE's fused norm op): the MoE layer's pre-MLP norm (a dense layer
+fuses it into fc1's LayerNormLinear) and each of --qk-layernorm's query and key norms (Qwen3; Megatron-Core's
+TE spec makes q_layernorm and k_layernorm TENorm modules): forward call and backward node with its
+weight-gradient accumulation (traces of the pre-MLP norm: 1.8 / 3.2 and 1.6 / 3.5; s13's H2 trace of a
+Qwen3-like rank on one H100, 200 such calls a step with the query and key norms: 1.4 / 5.6 each)."""
 
 ROUTER_HOST_KERNELS = (3.3, 8.0)
 AUX_LOSS_HOST_KERNELS = (4.0, 8.0)
@@ -541,9 +544,12 @@ def dispatcher_kernels(c) -> tuple:
 
 def attention_part_kernels(L) -> tuple:
     """(forward, backward) launches of an MoE layer outside its MoE block: a dense layer's less its MLP
-    (DENSE_MLP_HOST_SHARE) plus the separate pre-MLP norm (PRE_MLP_NORM_HOST_KERNELS)."""
-    (share_f, share_b), (norm_f, norm_b) = DENSE_MLP_HOST_SHARE, PRE_MLP_NORM_HOST_KERNELS
-    return (1.0 - share_f) * L.dense["kernels_f"] + norm_f, (1.0 - share_b) * L.dense["kernels_b"] + norm_b
+    (DENSE_MLP_HOST_SHARE, of a layer without query and key norms) plus the separate pre-MLP norm
+    (NORM_OP_HOST_KERNELS) and the query and key norms where the model has them."""
+    (share_f, share_b), (norm_f, norm_b) = DENSE_MLP_HOST_SHARE, NORM_OP_HOST_KERNELS
+    qk_f, qk_b = L.dense["qk_norm_kernels_f"], L.dense["qk_norm_kernels_b"]
+    return ((1.0 - share_f) * (L.dense["kernels_f"] - qk_f) + qk_f + norm_f,
+            (1.0 - share_b) * (L.dense["kernels_b"] - qk_b) + qk_b + norm_b)
 
 
 def _graphed(impl) -> set:

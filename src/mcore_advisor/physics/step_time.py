@@ -104,6 +104,7 @@ from mcore_advisor.physics.memory import (
 )
 from mcore_advisor.physics.moe import (
     HEURISTIC_QUERY_REF_LAYERS,
+    NORM_OP_HOST_KERNELS,
     MoeKit,
     dominant_part,
     host_syncs_per_layer,
@@ -929,6 +930,7 @@ class _Elementwise:
     acc_mlp_b: Any
     kernels_f: float  # non-GEMM, non-attention kernels of a dense layer's forward, as the host pays for them
     kernels_b: float  # ... and backward (weight-gradient adds included)
+    qk_norm_kernels: tuple = (0.0, 0.0)  # of those, the query and key norms' (--qk-layernorm)
 
 
 def _elementwise(c: _Ctx, a: _AttentionGemms) -> _Elementwise:
@@ -968,6 +970,12 @@ def _elementwise(c: _Ctx, a: _AttentionGemms) -> _Elementwise:
         extra = 1.0 if impl.bias_dropout_fused else 1.0 + 2.0 * 2
         ew_f = ew_f + 2 * T_sp * h * extra
         more_f, more_b = more_f + (0.0 if impl.bias_dropout_fused else 2.0), more_b + 2.0
+    qk = (0.0, 0.0)
+    if shape.qk_layernorm:
+        # the query and key norms: a pass over each head's q and k (read + write bf16), two modules of their own
+        ew_f = ew_f + T * (n_heads + a.kv_heads) * a.qk_dim / tp * 4
+        qk = (2 * NORM_OP_HOST_KERNELS[0], 2 * NORM_OP_HOST_KERNELS[1])
+        more_f, more_b = more_f + qk[0], more_b + qk[1]
     n_kernels_f, n_kernels_b = n_kernels_f + more_f, n_kernels_b + more_b
     host_f, host_b = host_f + more_f, host_b + more_b
     if c.fp8:
@@ -989,7 +997,7 @@ def _elementwise(c: _Ctx, a: _AttentionGemms) -> _Elementwise:
     ew_b_s = (2.0 * ew_f + cast_b) / c.bw_ew + n_kernels_b * KERNEL_LAUNCH_S + acc_attn_b + acc_mlp_b
     adds = 0.0 if impl.grad_acc_fusion else float(len(lw["attention"]) + len(lw["mlp"]))
     return _Elementwise(norm_b, resid_b, rope_elems, act_b_dense, ew_f, ew_f_s, ew_b_s, acc_attn_b, acc_mlp_b,
-                        host_f, host_b + adds)
+                        host_f, host_b + adds, qk)
 
 
 # ---- TP / SP collectives of one layer --------------------------------------------------------
@@ -1104,6 +1112,7 @@ def _dense_layer(c: _Ctx) -> _Layers:
         "kernels_f": gemms + attn_k[0] + ew.kernels_f + np.where(c.tp > 1, 4.0, 0.0),
         "kernels_b": 2 * gemms + attn_k[1] + ew.kernels_b + np.where(c.tp > 1, 6.0, 0.0),
         "attn_kernels_f": attn_k[0],
+        "qk_norm_kernels_f": ew.qk_norm_kernels[0], "qk_norm_kernels_b": ew.qk_norm_kernels[1],
     }
     return _Layers(a, fc1, fc2, ew, tp_comm, tpa, tpm, dense)
 

@@ -756,6 +756,7 @@ class Job:
             usable = None
         return {
             "hostname": socket.gethostname(),
+            "boot_id": _boot_id(),
             "cpu_count": os.cpu_count(),
             "cublaslt_heuristics_cache_capacity": _env_int("CUBLASLT_HEURISTICS_CACHE_CAPACITY"),
             "cpus_usable": usable,
@@ -768,6 +769,14 @@ class Job:
             "gc_source": "Python gc.callbacks inside megatron.training's train_step of each iteration, worst rank",
             "probe": _host_probe.summary([r.get("host_probe") for r in rows]),
         }
+
+
+def _boot_id() -> str | None:
+    """The kernel's id of this boot: a VM named like every other ('vm') is one machine only until it reboots."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
 
 
 #: Megatron's parsed arguments that decide what a run costs (launcher/as_ran.py reads them).

@@ -63,6 +63,8 @@ class HostProbe(TypedDict, total=False):
 class HostReport(TypedDict):
     hostname: NotRequired[str]
     """The node of the measured rank (jobs since s14): as_ran.machine_key pools a machine's probes by it."""
+    boot_id: NotRequired[str | None]
+    """/proc/sys/kernel/random/boot_id of that node (jobs since s14): with the hostname, one machine since its boot."""
     cpu_count: int | None
     cpus_usable: int | None
     local_processes_of_this_job: int
