@@ -185,3 +185,6 @@ def test_get_job_predicts_on_the_probes_of_the_jobs_that_ran_on_the_same_machine
     assert figures.iteration_time_s == pytest.approx(step_time(expected).iteration_time_s)
     assert "the median with this machine's 2 earlier probes: 5.00 ms" in note
     assert manager._machine_probes(store.get("j1")) == []
+    # get_job hands the assistant the machine's host figure for other plans on it (cluster.host_floor_ms_per_layer)
+    assert manager.get("j3").host_floor_ms_per_layer == pytest.approx(5.0 * HOST_PROBE_TO_LAYER, abs=1e-3)
+    assert manager.get("j1").host_floor_ms_per_layer == pytest.approx(30.0 * HOST_PROBE_TO_LAYER, abs=1e-3)

@@ -131,17 +131,33 @@ def _replayed_at_the_runs_cache(rec: Mapping[str, Any], result: Mapping[str, Any
     return replayed == cache_row_counts(capacity)
 
 
-def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str], machine_probes: Sequence[float]) -> AsRan:
-    """The plan on the host speed the job measured (entry/host_probe.py) with its machine's earlier probes,
-    unless the plan sets its own."""
-    host = result.get("host") or {}
+def measured_host_floor_ms(result: Mapping[str, Any] | None, machine_probes: Sequence[float] = ()) -> float | None:
+    """The host speed (ClusterSpec.host_floor_ms_per_layer) the job's Transformer Engine probe and its machine's
+    earlier probes measured: their median, less the GEMMs' heuristic queries where the cache was off; None
+    without such a probe."""
+    reading = _host_reading(result, machine_probes)
+    return reading[2] if reading else None
+
+
+def _host_reading(result: Mapping[str, Any] | None, machine_probes: Sequence[float]) -> tuple | None:
+    """(the job's probe ms, the median with its machine's, the host floor, cache off) or None."""
+    host = (result or {}).get("host") or {}
     probe = host.get("probe") or {}
-    if plan.cluster.host_floor_ms_per_layer is not None or probe.get("impl") != "transformer_engine":
-        return AsRan(plan, diffs)
+    if probe.get("impl") != "transformer_engine" or "ms_per_layer" not in probe:
+        return None
     cache_off = host.get("cublaslt_heuristics_cache_capacity") == 0
     own = float(probe["ms_per_layer"])
     ms = statistics.median([own, *machine_probes])
-    floor = host_floor_from_probe(ms, heuristics_cache_off=cache_off)
+    return own, ms, host_floor_from_probe(ms, heuristics_cache_off=cache_off), cache_off
+
+
+def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str], machine_probes: Sequence[float]) -> AsRan:
+    """The plan on the host speed the job measured (entry/host_probe.py) with its machine's earlier probes,
+    unless the plan sets its own."""
+    reading = _host_reading(result, machine_probes)
+    if plan.cluster.host_floor_ms_per_layer is not None or reading is None:
+        return AsRan(plan, diffs)
+    own, ms, floor, cache_off = reading
     with_earlier = (f"; the median with this machine's {len(machine_probes)} earlier probes: {ms:.2f} ms"
                     if machine_probes else "")
     diffs = diffs + [f"host_floor_ms_per_layer {floor:.2f} (the job's host probe: {own:.2f} ms per TE layer{with_earlier}"

@@ -35,7 +35,7 @@ from mcore_advisor.tools.mfu import MfuRequest, check_mfu
 from mcore_advisor.tools.render import RenderRequest, render_launch_script
 from mcore_advisor.validators import validate
 
-from .as_ran import as_ran, earlier_machine_probes, machine_key, rank_terms
+from .as_ran import as_ran, earlier_machine_probes, machine_key, measured_host_floor_ms, rank_terms
 from .backends.base import (
     ERROR_FILE,
     JOB_ENV_MARKER,
@@ -185,6 +185,7 @@ class JobStatus(BaseModel):
     comparison_note: str | None = None
     memory_terms: list[dict[str, Any]] | None = Field(None, description="memory_at_scale: measured vs predicted per memory term for the measured rank (parameters, weights+gradients+optimizer, activations+temporaries, peak).")
     diagnosis: dict[str, Any] | None = Field(None, description="check_mfu's reading of a failed job's log (OOM, NCCL timeout, ...).")
+    host_floor_ms_per_layer: float | None = Field(None, description="This machine's host speed as its jobs measured it: the median of this job's host probe and those of the jobs run on the same machine before it (ms to launch the reference layer). Pass it as cluster.host_floor_ms_per_layer to evaluate_plan, estimate or recommend_parallelism for plans on this machine; None without a Transformer Engine probe.")
 
 
 class JobSummary(BaseModel):
@@ -255,6 +256,10 @@ def _predict(plan: Plan) -> dict[str, Any] | None:
     except (ValueError, KeyError) as exc:
         log.info("no prediction for this plan: %s", exc)
         return None
+
+
+def _rounded(x: float | None) -> float | None:
+    return round(x, 3) if x is not None else None
 
 
 def _as_ran_prediction(plan: Mapping[str, Any], result: Mapping[str, Any] | None,
@@ -692,7 +697,8 @@ class JobManager:
         if rec.state == "FAILED":
             stderr_tail = tail_text(job_dir / STDERR_FILE, max_lines=LOG_TAIL_LINES, max_bytes=LOG_TAIL_BYTES)
         predicted = predicted_figures(rec.predicted)
-        ran_predicted, ran_note = _as_ran_prediction(rec.plan, rec.result, self._machine_probes(rec))
+        machine_probes = self._machine_probes(rec)
+        ran_predicted, ran_note = _as_ran_prediction(rec.plan, rec.result, machine_probes)
         if ran_predicted is not None:
             predicted = ran_predicted
         terms = None
@@ -718,7 +724,7 @@ class JobManager:
             error=_unreachable_error(rec, unreachable) if unreachable else rec.error,
             log_file=str(log_file) if log_file else None, log_tail=log_tail, stderr_tail=stderr_tail,
             result=rec.result, predicted=predicted, comparison=comparison, comparison_note=note, diagnosis=rec.diagnosis,
-            memory_terms=terms,
+            memory_terms=terms, host_floor_ms_per_layer=_rounded(measured_host_floor_ms(rec.result, machine_probes)),
         )
 
 
