@@ -20,6 +20,7 @@ from PIL import Image
 from mcore_advisor.cli import main as cli_main
 from mcore_advisor.launcher.jobs import JobManager
 from mcore_advisor.launcher.store import JobStore
+from mcore_advisor.physics.step_time import HOST_PROBE_TO_LAYER
 from mcore_advisor.server import app
 from mcore_advisor.server.app import build_server
 
@@ -258,7 +259,9 @@ FAKE_ENTRY = textwrap.dedent('''
             fh.write(f" iteration {i:8d}/{n:8d} | consumed samples: {4 * i:12d} | elapsed time per iteration (ms): 250.0 |\\n")
             fh.flush()
     json.dump({"status": "ok", "iter_s": 0.25, "tokens_per_s_per_gpu": 800.0, "tflops_per_gpu_causal": 4.0,
-               "peak_allocated_gib": [0.5], "step_times_s": [0.25] * n}, open(os.path.join(out, "result.json"), "w"))
+               "peak_allocated_gib": [0.5], "step_times_s": [0.25] * n, "device": "NVIDIA H100 80GB HBM3",
+               "host": {"hostname": "fake-node", "boot_id": "b1", "probe": {"ms_per_layer": 6.0, "impl": "transformer_engine"}}},
+              open(os.path.join(out, "result.json"), "w"))
 ''')
 TINY = {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256},
         "cluster": {"num_gpus": 1}, "training": {"seq_length": 32, "global_batch_size": 2, "micro_batch_size": 1}}
@@ -314,6 +317,10 @@ async def test_get_job_reports_phase_and_eta(tmp_path, monkeypatch):
             st = (await client.call_tool("get_job", {"job_id": sub["job_id"]})).structured_content
         assert st["state"] == "COMPLETED" and st["phase"] == "done"
         assert {c["figure"] for c in st["comparison"]} >= {"iteration_time_s", "tokens_per_s_per_gpu"}
+        # the job's host probe is the machine's host figure, handed back for planning more runs there
+        assert st["host_floor_ms_per_layer"] == pytest.approx(6.0 * HOST_PROBE_TO_LAYER)
+        text = _text(await client.call_tool("get_job", {"job_id": sub["job_id"]}))
+        assert "this machine's host: 6.00 ms per reference layer" in text
 
 
 async def test_hostile_argument_errors_name_the_argument_the_caller_passed(server):

@@ -463,6 +463,7 @@ def _job_view(st: Any, detail: views.Detail) -> tuple[str, dict[str, Any]]:
         job_id=st.job_id, name=st.name, backend=st.backend, state=st.state, phase=ph.phase, steps_done=ph.steps_done,
         steps_total=ph.steps_total, eta_s=ph.eta_s, elapsed_s=st.elapsed_s, error=st.error,
         comparison=[c.model_dump() for c in st.comparison], comparison_note=st.comparison_note,
+        host_floor_ms_per_layer=st.host_floor_ms_per_layer,
         log_tail=None if st.state == "COMPLETED" else _tail(st.stderr_tail or st.log_tail),
         full=st.model_dump(mode="json") if detail == "full" else None,
     )
@@ -476,6 +477,9 @@ def _job_view(st: Any, detail: views.Detail) -> tuple[str, dict[str, Any]]:
                                  ["figure", "measured", "predicted", "error %"]))
     if st.comparison_note:
         lines.append(f"note: {st.comparison_note}")
+    if st.host_floor_ms_per_layer is not None:
+        lines.append(f"this machine's host: {st.host_floor_ms_per_layer:.2f} ms per reference layer "
+                     "(cluster.host_floor_ms_per_layer for more plans on it)")
     if st.diagnosis:
         lines.append("diagnosis: " + str(st.diagnosis.get("summary") or st.diagnosis.get("oom_diagnosis", {}).get("message") or "see detail='full'"))
     return "\n".join(lines), out.model_dump(mode="json")

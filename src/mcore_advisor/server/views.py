@@ -477,6 +477,7 @@ class JobOut(BaseModel):
     error: str | None
     comparison: list[dict[str, Any]]
     comparison_note: str | None
+    host_floor_ms_per_layer: float | None = Field(None, description="This machine's measured host speed (its jobs' probes): pass it as cluster.host_floor_ms_per_layer to plan more runs on it.")
     log_tail: str | None
     full: dict[str, Any] | None = None
 
