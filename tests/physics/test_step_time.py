@@ -412,6 +412,8 @@ def test_a_host_bound_prediction_is_flagged_and_reported_as_a_finding():
     assert ev.performance.host_bound
     hit = [f for f in ev.findings if f.code == "host_bound"]
     assert len(hit) == 1 and "training.micro_batch_size" in hit[0].fields and "host-bound" in hit[0].message
+    # the way to a figure for the user's own host: one profile job there, its measured host speed back into the plan
+    assert "run_profile_job" in hit[0].fix and "cluster.host_floor_ms_per_layer" in hit[0].fix
     fast_host = evaluate_plan(_plan("gpt3-1.3b", gpu="h100-sxm", num_gpus=1, s=2048, gbs=32, mbs=1, host=0))
     assert not fast_host.performance.host_bound and not any(f.code == "host_bound" for f in fast_host.findings)
 

@@ -129,8 +129,12 @@ def host_bound_findings(perf: PerfEstimate, plan: Plan) -> list[Finding]:
         fields=["training.micro_batch_size", "cluster.host_floor_ms_per_layer", "implementation.check_for_nan_in_loss_and_grad"],
         message=(f"host-bound: the GPU is predicted to wait {b.host_bound_s:.3f} s ({100 * b.host_bound_s / it:.0f}%) of the "
                  f"{it:.3f} s step for the host (kernel launches of layers with little GPU work at micro-batch "
-                 f"{tr.micro_batch_size}, host syncs, the step's own host work); such steps vary with the host's load"),
-        fix=f"a larger micro-batch (more GPU work per launch){checks}; a faster host (bare metal) shrinks it",
+                 f"{tr.micro_batch_size}, host syncs, the step's own host work); such steps follow the host's speed and "
+                 "load (one host-bound MoE plan ran 1.34-1.66 s in three jobs on one H100 VM: "
+                 "benchmarks/results/gpu_h100_X_summary.md)"),
+        fix=(f"a larger micro-batch (more GPU work per launch){checks}; a faster host (bare metal) shrinks it; "
+             "to predict for your machine, run one profile job there (run_profile_job) and pass the "
+             "host_floor_ms_per_layer get_job reports as cluster.host_floor_ms_per_layer"),
     )]
 
 
