@@ -13,18 +13,19 @@ and the GPU catalog's VM figure. No figure is chosen on these rows: the pooling 
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "gpu"))
 
-from report_multi import ran_plan, with_machine_probes  # noqa: E402  (benchmarks/gpu)
+from report_multi import ran_plan  # noqa: E402  (benchmarks/gpu)
+from throughput_accuracy import loop_rows  # noqa: E402
 
-from mcore_advisor.launcher.as_ran import machine_key  # noqa: E402
+from mcore_advisor.launcher.as_ran import te_probe_ms  # noqa: E402
 from mcore_advisor.physics.step_time import step_time  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -32,41 +33,35 @@ OUT = RESULTS / "host_history.txt"
 
 
 def probed_rows() -> list[dict]:
-    """Rows with a TE host probe, in run order per file, each with its machine's earlier probes."""
-    out = []
-    for path in sorted(RESULTS.glob("gpu_*_runs.jsonl")):
-        kept = []
-        for line in path.read_text().splitlines():
-            r = json.loads(line) if line.strip() else {}
-            res = r.get("result") or {}
-            if r.get("status") == "ok" and isinstance(res.get("megatron"), dict) and res.get("mode") == "profile" \
-                    and res.get("iter_s") and (res.get("host") or {}).get("cublaslt_heuristics_cache_capacity") != 0:
-                kept.append({**r, "plan": r.get("plan_requested") or r["plan"], "file": path.stem})
-        machines = [(path.stem, r.get("device_call")) for r in kept]
-        out += [r for r in with_machine_probes(kept, machines) if machine_key(r["result"], "x") is not None]
-    return out
+    """Rows with a TE host probe (the cuBLASLt-cache-off rows aside), in run order per file, each with its machine's
+    earlier probes (throughput_accuracy.loop_rows)."""
+    return [{**r, "file": path.stem} for path in sorted(RESULTS.glob("gpu_*_runs.jsonl")) for r in loop_rows(path)
+            if te_probe_ms(r["result"]) is not None and r["result"]["host"].get("cublaslt_heuristics_cache_capacity") != 0]
 
 
-def _err(row: dict, probes: list[float] | None) -> float:
-    """Step error with the host set from `probes` (their median; None: the catalog's figure)."""
-    if probes is None:
+def _err(row: dict, others: list[float] | None) -> float:
+    """Step error with the host as_ran takes from the job's probe and `others` of its machine (None: no probe read,
+    the catalog's figure)."""
+    if others is None:
         row = {**row, "result": {**row["result"], "host": {**row["result"]["host"], "probe": {"impl": "none"}}}}
-        plan = ran_plan({**row, "machine_probes_ms": []})
-    else:
-        own = statistics.median(probes)
-        res = {**row["result"], "host": {**row["result"]["host"], "probe": {**row["result"]["host"]["probe"], "ms_per_layer": own}}}
-        plan = ran_plan({**row, "result": res, "machine_probes_ms": []})
+    plan = ran_plan({**row, "machine_probes_ms": others or []})
     return 100.0 * (step_time(plan).iteration_time_s / row["result"]["iter_s"] - 1.0)
+
+
+def _without_one(values: list[float], x: float) -> list[float]:
+    out = list(values)
+    out.remove(x)
+    return out
 
 
 def main() -> None:
     rows = probed_rows()
     whole = defaultdict(list)
     for r in rows:
-        whole[(r["file"], r.get("device_call"))].append(r["result"]["host"]["probe"]["ms_per_layer"])
-    ways = {"the job's probe alone": lambda r: [r["result"]["host"]["probe"]["ms_per_layer"]],
-            "with the machine's earlier probes": lambda r: [r["result"]["host"]["probe"]["ms_per_layer"], *r["machine_probes_ms"]],
-            "every probe of the machine": lambda r: whole[(r["file"], r.get("device_call"))],
+        whole[(r["file"], r.get("device_call"))].append(te_probe_ms(r["result"]))
+    ways = {"the job's probe alone": lambda r: [],
+            "with the machine's earlier probes": lambda r: r["machine_probes_ms"],
+            "every probe of the machine": lambda r: _without_one(whole[(r["file"], r.get("device_call"))], te_probe_ms(r["result"])),
             "the GPU catalog's (no probe)": lambda r: None}
     for r in rows:
         r["errs"] = {name: _err(r, way(r)) for name, way in ways.items()}
@@ -86,7 +81,7 @@ def main() -> None:
     for r in rows:
         errs = " ".join(f"{v:+6.1f}" for v in r["errs"].values())
         lines.append(f"{r['name'][:40]:40s} {r['file'][4:24]:20s} {'held' if r.get('held_out') else '    '} {errs}  "
-                     f"{r['result']['host']['probe']['ms_per_layer']:5.2f} {[round(x, 2) for x in r['machine_probes_ms']]}")
+                     f"{te_probe_ms(r['result']):5.2f} {[round(x, 2) for x in r['machine_probes_ms']]}")
     OUT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:12]))
 

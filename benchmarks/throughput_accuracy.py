@@ -186,23 +186,29 @@ def one_gpu_cases() -> list[Case]:
     return out
 
 
+def loop_rows(path: Path) -> list[dict]:
+    """A results file's rows of Megatron-LM's own loop (result.megatron present), in run order, each with its
+    machine's earlier host probes (a row without a hostname: its file and call name its machine)."""
+    kept = []
+    for x in path.read_text().splitlines():
+        r = json.loads(x) if x.strip() else {}
+        res = r.get("result") or {}
+        if r.get("status") == "ok" and isinstance(res.get("megatron"), dict) and "plan" in r \
+                and res.get("mode") == "profile" and res.get("iter_s"):
+            # the plan as asked for, so the job's record (host probe, routing) is read by the code at this commit
+            # and not by the code that wrote the row (report_multi keeps its as-ran plan under "plan")
+            kept.append({**r, "plan": r.get("plan_requested") or r["plan"]})
+    return with_machine_probes(kept, [(path.stem, r.get("device_call")) for r in kept])
+
+
 def multi_gpu_cases() -> list[Case]:
-    """Rows of Megatron-LM's loop on several GPUs (result.megatron present) from any other results file, each
-    predicted on its machine's host probes up to its own (a row without a hostname: its file and call name it)."""
+    """Rows of Megatron-LM's loop on several GPUs from any other results file, each predicted on its machine's
+    host probes up to its own (loop_rows)."""
     out = []
     for p in sorted(RESULTS.glob("*.jsonl")):
         if p.name == megatron_rows.FILE:
             continue
-        kept = []
-        for x in p.read_text().splitlines():
-            r = json.loads(x) if x.strip() else {}
-            res = r.get("result") or {}
-            if r.get("status") == "ok" and isinstance(res.get("megatron"), dict) and "plan" in r \
-                    and res.get("mode") == "profile" and res.get("iter_s"):
-                # the plan as asked for, so the job's record (host probe, routing) is read by the code at this commit
-                # and not by the code that wrote the row (report_multi keeps its as-ran plan under "plan")
-                kept.append({**r, "plan": r.get("plan_requested") or r["plan"]})
-        for r in with_machine_probes(kept, [(p.stem, r.get("device_call")) for r in kept]):
+        for r in loop_rows(p):
             res = r["result"]
             plan = ran_plan(r)
             held = r["held_out"] if isinstance(r.get("held_out"), bool) else megatron_rows.held_out(r["name"])
@@ -376,11 +382,11 @@ def moe_section(one: list[Case], multi: list[Case], pub: list[Case]) -> list[str
         for title, cases in groups:
             lines.append(_stats(title[:30], [c for c in cases if keep(c)]))
         lines.append(_stats("all MoE rows", [c for c in every if keep(c)]))
-    # a host-bound row is only as right as the host figure it is predicted on: rows whose job probed the host (or
-    # a published row's bare-metal figure) apart from rows on the catalog's VM figure (s3's, s4's and the
+    # a host-bound row is only as right as the host figure it is predicted on: rows whose job probed the host and
+    # the published rows (a bare-metal figure) apart from rows on the catalog's VM figure (s3's, s4's and the
     # local-spec sets' leases recorded no TE probe; the W set re-ran s3's and s4's MoE plans with one)
     lines += ["  -- every row, by the host figure it is predicted on",
-              _stats("a measured host", [c for c in every if c.plan.cluster.host_floor_ms_per_layer is not None]),
+              _stats("probed or bare-metal host", [c for c in every if c.plan.cluster.host_floor_ms_per_layer is not None]),
               _stats("the catalog's figure", [c for c in every if c.plan.cluster.host_floor_ms_per_layer is None])]
     return lines
 

@@ -42,14 +42,21 @@ class AsRan:
 MACHINE_PROBES_KEPT = 10
 
 
+def te_probe_ms(result: Mapping[str, Any] | None) -> float | None:
+    """The job's host probe (ms per reference layer) when Transformer Engine timed it, the only probe as_ran reads."""
+    probe = ((result or {}).get("host") or {}).get("probe") or {}
+    if probe.get("impl") != "transformer_engine" or "ms_per_layer" not in probe:
+        return None
+    return float(probe["ms_per_layer"])
+
+
 def machine_key(result: Mapping[str, Any] | None, fallback: Hashable | None = None) -> tuple | None:
     """Which machine's host a result's probe timed: its hostname and boot id (jobs since s14: VMs share names
     like 'vm'; `fallback` names the machine of older rows), GPU and cuBLASLt cache setting (the probe's GEMMs
     query the heuristics). None without a Transformer Engine probe, which is the only one as_ran reads."""
     host = (result or {}).get("host") or {}
-    probe = host.get("probe") or {}
     name = host.get("hostname") or fallback
-    if name is None or probe.get("impl") != "transformer_engine" or "ms_per_layer" not in probe:
+    if name is None or te_probe_ms(result) is None:
         return None
     return (name, host.get("boot_id"), (result or {}).get("device"), host.get("cublaslt_heuristics_cache_capacity"))
 
@@ -63,7 +70,7 @@ def earlier_machine_probes(results: Sequence[Mapping[str, Any] | None],
         key = machine_key(result, fallback)
         out.append(seen[key][-MACHINE_PROBES_KEPT:] if key else [])
         if key:
-            seen[key].append(float(result["host"]["probe"]["ms_per_layer"]))  # type: ignore[index]
+            seen[key].append(te_probe_ms(result))  # type: ignore[arg-type]
     return out
 
 
@@ -141,12 +148,10 @@ def measured_host_floor_ms(result: Mapping[str, Any] | None, machine_probes: Seq
 
 def _host_reading(result: Mapping[str, Any] | None, machine_probes: Sequence[float]) -> tuple | None:
     """(the job's probe ms, the median with its machine's, the host floor, cache off) or None."""
-    host = (result or {}).get("host") or {}
-    probe = host.get("probe") or {}
-    if probe.get("impl") != "transformer_engine" or "ms_per_layer" not in probe:
+    own = te_probe_ms(result)
+    if own is None:
         return None
-    cache_off = host.get("cublaslt_heuristics_cache_capacity") == 0
-    own = float(probe["ms_per_layer"])
+    cache_off = ((result or {}).get("host") or {}).get("cublaslt_heuristics_cache_capacity") == 0
     ms = statistics.median([own, *machine_probes])
     return own, ms, host_floor_from_probe(ms, heuristics_cache_off=cache_off), cache_off
 
