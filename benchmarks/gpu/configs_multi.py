@@ -727,11 +727,31 @@ def repeat_spec_lines() -> list[dict]:
     return [_line(name, p, n, RUN_W, te=True) for name, p, n in repeat_rows()]
 
 
+#: the Y set (session s15, issue 15): what an expert GEMM's new row count costs inside Megatron-LM's loop on one H100,
+#: the C set's one-GPU 128-expert plan as routed with cuBLASLt's heuristics cache as it is, off and 8x larger, and
+#: forced (few distinct counts) beside them, two of them twice; the job records each run's miss share
+RUN_Y = {"warmup_steps": 2, "measure_steps": 10, "profile_steps": None}
+MISSES = (("Y_qwen30like_cache", {}), ("Y_qwen30like_cache0", CACHE_OFF), ("Y_qwen30like_cachebig", CACHE_BIG),
+          ("Y_qwen30like_forced", None), ("Y_qwen30like_cache0_b", CACHE_OFF), ("Y_qwen30like_cachebig_b", CACHE_BIG))
+
+
+def misses_rows() -> list[tuple[str, Plan, int, dict]]:
+    """(name, plan, GPUs, env): env None is the forced-routing plan."""
+    a2a = {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", **NO_MASK}
+    forced = {**a2a, "moe_router_force_load_balancing": True}
+    return [(name, plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1, impl=a2a if env is not None else forced), 1, env or {})
+            for name, env in MISSES]
+
+
+def misses_spec_lines() -> list[dict]:
+    return [_line(name, p, n, RUN_Y, te=True, env=env or None) for name, p, n, env in misses_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun", "repeat"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun", "repeat", "misses"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -748,7 +768,8 @@ def main(argv: list[str] | None = None) -> None:
                          "ep_overlap: the E_* plans (the all-to-all overlap and token drop on a Qwen3-30B EP8 rank's MoE); "
                          "fp8_experts: the H_* plans (32 local experts on one GPU, bf16 and FP8 delayed / current scaling); "
                          "rerun: the W_* plans (s4's and s3's MoE plans again, with the host probe); "
-                         "repeat: the X_* plans (one-GPU MoE plans of F and H again, some twice, on one machine)")
+                         "repeat: the X_* plans (one-GPU MoE plans of F and H again, some twice, on one machine); "
+                         "misses: the Y_* plans (one-GPU 128 experts as routed, cuBLASLt's heuristics cache as is, off, 8x)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
@@ -757,7 +778,7 @@ def main(argv: list[str] | None = None) -> None:
                  "local_more": local_more_spec_lines, "mla": mla_spec_lines, "peak": peak_spec_lines,
                  "te_trace": te_trace_spec_lines, "local_check": local_check_spec_lines,
                  "ep_overlap": ep_overlap_spec_lines, "fp8_experts": fp8_experts_spec_lines,
-                 "rerun": rerun_spec_lines, "repeat": repeat_spec_lines}.get(
+                 "rerun": rerun_spec_lines, "repeat": repeat_spec_lines, "misses": misses_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None

@@ -7,13 +7,17 @@ Builds Megatron-Core's modules from its own TE layer spec, not copies of them:
     ('tensorwise'), uneven token counts per expert as a router gives them;
   - `layer`: the whole MoELayer (TopKRouter, the alltoall dispatcher at EP 1, fused permute, TEGroupedMLP)
     over 8-128 experts.
+  - `misses`: TEGroupedMLP inside Megatron's DDP at 8 and 32 local experts, every expert's row count the same
+    each iteration or one never met before (every GEMM's problem new to cuBLASLt's heuristics cache), with
+    gradient-accumulation fusion off (Megatron-LM without Apex, this workplace's runs) and on (TE's wgrad
+    accumulating into main_grad, NeMo's containers); `fusion`: the experts' per-expert slope with fusion on.
 Each case times forward and backward apart: the CPU seconds the host takes to issue them (the GPU drained
 before each iteration; the tokens are few, so the GPU never holds the host back) and the wall time. The
 reference layer's host probe (launcher/entry/host_probe.py, what the profile job measures) runs before, between
 and after the cases, so benchmarks/moe_host_accuracy.py prices the step-time model's host units at this machine's
 speed. Writes $OUT/moe_host_probe.jsonl.
 
-    python3 benchmarks/gpu/moe_host_probe.py [experts] [layer]
+    python3 benchmarks/gpu/moe_host_probe.py [experts] [layer] [misses] [fusion]   (misses, fusion: MOE_PROBE_DDP=1)
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def init():
     model_parallel_cuda_manual_seed(1234)
 
 
-def config(experts: int, topk: int, precision: str):
+def config(experts: int, topk: int, precision: str, fusion: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -72,7 +76,7 @@ def config(experts: int, topk: int, precision: str):
         num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True,
         moe_permute_fusion=True, moe_router_force_load_balancing=True, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, normalization="RMSNorm", bf16=True,
-        params_dtype=torch.bfloat16, gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.bfloat16, gradient_accumulation_fusion=fusion, hidden_dropout=0.0, attention_dropout=0.0,
         **PRECISIONS[precision])
 
 
@@ -137,6 +141,47 @@ def experts_case(local: int, precision: str):
     return {"module": type(getattr(ex, "module", ex)).__name__, "tokens": n, **timed(fwd, grad)}
 
 
+def _new_counts(local: int, total: int, i: int) -> torch.Tensor:
+    """Row counts summing to `total`, each met in no earlier iteration (the last expert's takes the remainder)."""
+    c = torch.tensor([200 + i * local + e for e in range(local - 1)] + [0], dtype=torch.int64)
+    c[-1] = total - c.sum()
+    return c
+
+
+def misses_case(local: int, fusion: bool, new: bool):
+    cfg = config(local, 2, "bf16", fusion)
+    ex = wrapped(cfg, moe_layer(cfg).experts)
+    total = 1024 * local
+    fixed = _splits(local, 1024)
+    x = torch.randn(total, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(total, device="cuda", dtype=torch.float32)
+    grad = torch.randn(total, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    it = iter(range(10_000))
+
+    def fwd(ctx):
+        counts = _new_counts(local, total, next(it)) if new else fixed
+        with ctx(cfg):
+            return ex(x, counts, probs)[0]
+
+    return {"module": type(getattr(ex, "module", ex)).__name__, "tokens": total, **timed(fwd, grad)}
+
+
+def fusion_case(local: int):
+    cfg = config(local, 2, "bf16", True)
+    ex = wrapped(cfg, moe_layer(cfg).experts)
+    counts = _splits(local, TOKENS_PER_EXPERT)
+    n = int(counts.sum())
+    x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(n, device="cuda", dtype=torch.float32)
+    grad = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+
+    def fwd(ctx):
+        with ctx(cfg):
+            return ex(x, counts, probs)[0]
+
+    return {"module": type(getattr(ex, "module", ex)).__name__, "tokens": n, **timed(fwd, grad)}
+
+
 def layer_case(experts: int, topk: int, precision: str):
     cfg = config(experts, topk, precision)
     layer = wrapped(cfg, moe_layer(cfg))
@@ -157,7 +202,33 @@ def reference(tag: str):
     emit(kind="host_probe", at=tag, **{k: v for k, v in host_probe.measure(True).items() if k != "per_iteration_ms"})
 
 
+def run_misses():
+    for local in (8, 32):
+        for fusion in (False, True):
+            for new in (False, True, False, True):  # interleaved twice: the host's drift shows
+                rec = {"kind": "moe_misses", "local_experts": local, "fusion": fusion, "new_counts": new,
+                       "precision": "bf16", "hidden": HIDDEN, "ffn": FFN, "ddp": DDP}
+                try:
+                    emit(**rec, **misses_case(local, fusion, new))
+                except Exception as exc:
+                    emit(**rec, error=repr(exc)[:400])
+                torch.cuda.empty_cache()
+
+
+def run_fusion():
+    for local in (2, 8, 32, 64):
+        rec = {"kind": "moe_fusion", "local_experts": local, "fusion": True, "precision": "bf16", "hidden": HIDDEN,
+               "ffn": FFN, "ddp": DDP}
+        try:
+            emit(**rec, **fusion_case(local))
+        except Exception as exc:
+            emit(**rec, error=repr(exc)[:400])
+        torch.cuda.empty_cache()
+
+
 def run(section: str):
+    if section in ("misses", "fusion"):
+        return run_misses() if section == "misses" else run_fusion()
     cases = ([(local, p) for p in PRECISIONS for local in LOCAL_EXPERTS] if section == "experts"
              else [(ek, p) for p in ("bf16", "fp8_tensorwise") for ek in LAYER_CASES])
     for arg, precision in cases:
