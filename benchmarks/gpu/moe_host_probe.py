@@ -22,6 +22,7 @@ speed. Writes $OUT/moe_host_probe.jsonl.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -141,9 +142,15 @@ def experts_case(local: int, precision: str):
     return {"module": type(getattr(ex, "module", ex)).__name__, "tokens": n, **timed(fwd, grad)}
 
 
+_MET: dict[int, itertools.count] = {}  # per expert count: the iterations of every case so far (no count met twice)
+MISS_TOKENS_PER_EXPERT = 4096
+
+
 def _new_counts(local: int, total: int, i: int) -> torch.Tensor:
-    """Row counts summing to `total`, each met in no earlier iteration (the last expert's takes the remainder)."""
-    c = torch.tensor([200 + i * local + e for e in range(local - 1)] + [0], dtype=torch.int64)
+    """Row counts summing to `total`, each met in no earlier iteration (the last expert's takes the remainder);
+    the two expert counts draw from disjoint ranges."""
+    base = 200 if local < 32 else 1000
+    c = torch.tensor([base + i * local + e for e in range(local - 1)] + [0], dtype=torch.int64)
     c[-1] = total - c.sum()
     return c
 
@@ -151,12 +158,12 @@ def _new_counts(local: int, total: int, i: int) -> torch.Tensor:
 def misses_case(local: int, fusion: bool, new: bool):
     cfg = config(local, 2, "bf16", fusion)
     ex = wrapped(cfg, moe_layer(cfg).experts)
-    total = 1024 * local
-    fixed = _splits(local, 1024)
+    total = MISS_TOKENS_PER_EXPERT * local
+    fixed = _splits(local, MISS_TOKENS_PER_EXPERT)
     x = torch.randn(total, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     probs = torch.rand(total, device="cuda", dtype=torch.float32)
     grad = torch.randn(total, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    it = iter(range(10_000))
+    it = _MET.setdefault(local, itertools.count())
 
     def fwd(ctx):
         counts = _new_counts(local, total, next(it)) if new else fixed
