@@ -9,7 +9,7 @@ from mcore_advisor.launcher import jobs
 from mcore_advisor.launcher.as_ran import MACHINE_PROBES_KEPT, as_ran, earlier_machine_probes, rank_terms
 from mcore_advisor.launcher.store import JobStore, record_from
 from mcore_advisor.physics.memory import GIB, memory_breakdown
-from mcore_advisor.physics.step_time import HOST_PROBE_TO_LAYER, step_time
+from mcore_advisor.physics.step_time import HOST_PROBE_TO_LAYER, host_floor_from_probe, step_time
 from mcore_advisor.schemas import ClusterSpec, ModelSpec, Plan, TrainingSpec, with_changes
 
 PLAN = Plan(model=ModelSpec(name="gpt3-1.3b"), cluster=ClusterSpec(gpu="h200", num_gpus=1),
@@ -143,12 +143,13 @@ def _probed(ms: float, host: str | None = "node-a", impl: str = "transformer_eng
     return {**AS_RENDERED, "device": "NVIDIA H200", "host": {**report, **({"hostname": host} if host else {})}}
 
 
-def test_a_machines_earlier_probes_are_pooled_by_hostname_cache_setting_and_order():
+def test_a_machines_earlier_probes_are_pooled_by_hostname_and_order_without_cache_off_probes():
     results = [_probed(4.0), _probed(9.0, host="node-b"), _probed(5.0), _probed(6.0, cache=0), _probed(7.0, impl="torch"),
                None, _probed(8.0)]
     earlier = earlier_machine_probes(results, [None] * len(results))
-    # node-a's third TE probe sees its first two; node-b, the cache-off job and the torch probe start their own
-    assert earlier == [[], [], [4.0], [], [], [], [4.0, 5.0]]
+    # node-a's third TE probe sees its first two, and so does the cache-off job; its probe (queries timed too)
+    # joins no pool; node-b and the torch probe start their own
+    assert earlier == [[], [], [4.0], [4.0, 5.0], [], [], [4.0, 5.0]]
     # rows without a hostname pool only under the machine their caller names
     bare = [_probed(4.0, host=None), _probed(6.0, host=None), _probed(8.0, host=None)]
     assert earlier_machine_probes(bare, [None, None, None]) == [[], [], []]
@@ -167,6 +168,19 @@ def test_the_host_speed_is_the_median_of_the_jobs_probe_and_its_machines_earlier
     assert pooled.plan.cluster.host_floor_ms_per_layer == pytest.approx(5.0 * HOST_PROBE_TO_LAYER)
     assert any("8.00 ms per TE layer; the median with this machine's 2 earlier probes: 5.00 ms" in d for d in pooled.differences)
     assert step_time(pooled.plan).iteration_time_s < step_time(alone.plan).iteration_time_s
+
+
+def test_a_cache_off_job_reads_its_host_from_its_machines_cache_on_probes():
+    off = _probed(9.5, cache=0)
+    pooled = as_ran(PLAN, off, machine_probes=[4.8, 5.4, 4.5])
+    alone = as_ran(PLAN, off)
+    # the Y set's H100 VM: 9.0-9.5 ms with the cache off, 4.5-5.4 ms with it on; the earlier cache-on median stands
+    assert pooled.plan.cluster.host_floor_ms_per_layer == pytest.approx(4.8 * HOST_PROBE_TO_LAYER)
+    assert any("the cache off; the median of this machine's 3 earlier probes with it on: 4.80 ms" in d
+               for d in pooled.differences)
+    # no cache-on probe of the machine: the job's own, less the probe GEMMs' queries
+    assert alone.plan.cluster.host_floor_ms_per_layer == pytest.approx(host_floor_from_probe(9.5, heuristics_cache_off=True), abs=1e-4)
+    assert any("less its GEMMs heuristic queries" in d for d in alone.differences)
 
 
 def test_get_job_predicts_on_the_probes_of_the_jobs_that_ran_on_the_same_machine_before(tmp_path):

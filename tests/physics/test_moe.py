@@ -261,9 +261,10 @@ def test_a_measured_miss_share_or_cache_size_changes_the_expert_host_launches_by
     all_miss, _ = _ctx(_plan(impl={"moe_heuristic_miss_share": 1.0}))
     k0, k1 = moe.experts(even, kit)["kernels"], moe.experts(all_miss, kit)["kernels"]
     q_f, q_b = stm._ref_units()
-    # 8 local experts x (2 forward, 4 backward GEMMs) x HEURISTIC_QUERY_REF_LAYERS reference layers each
+    # 8 local experts x (2 forward GEMMs, 2 dgrads: a new row count is the wgrads' K, which asks no query; the s10
+    # shape probe) x HEURISTIC_QUERY_REF_LAYERS reference layers each
     assert float((k1[0] - k0[0])[0]) == pytest.approx(8 * 2 * moe.HEURISTIC_QUERY_REF_LAYERS * q_f)
-    assert float((k1[1] - k0[1])[0]) == pytest.approx(8 * 4 * moe.HEURISTIC_QUERY_REF_LAYERS * q_b)
+    assert float((k1[1] - k0[1])[0]) == pytest.approx(8 * 2 * moe.HEURISTIC_QUERY_REF_LAYERS * q_b)
     # q_f forward units (or q_b backward units) cost the host one reference layer: the host floor
     floor = stm.hardware_params(_plan().cluster).host_floor_s_per_layer
     assert even.host_f * q_f == pytest.approx(floor) and even.host_b * q_b == pytest.approx(floor)
@@ -283,7 +284,7 @@ def test_a_miss_costs_the_torch_query_where_megatrons_own_linears_issue_the_expe
     all_miss, _ = _ctx(_plan(impl={**local, "moe_heuristic_miss_share": 1.0}))
     k0, k1 = moe.experts(even, kit)["kernels"], moe.experts(all_miss, kit)["kernels"]
     assert float((k1[0] - k0[0])[0]) == pytest.approx(8 * 2 * moe.HEURISTIC_QUERY_TORCH_REF_LAYERS * q_f)
-    assert float((k1[1] - k0[1])[0]) == pytest.approx(8 * 4 * moe.HEURISTIC_QUERY_TORCH_REF_LAYERS * q_b)
+    assert float((k1[1] - k0[1])[0]) == pytest.approx(8 * 2 * moe.HEURISTIC_QUERY_TORCH_REF_LAYERS * q_b)
     assert moe.HEURISTIC_QUERY_TORCH_REF_LAYERS * 5.5 == pytest.approx(0.31, abs=0.005)  # ms at the catalog's host
     te_miss, _ = _ctx(_plan(impl={"moe_heuristic_miss_share": 1.0, "moe_grouped_gemm": False}))
     te_even, _ = _ctx(_plan(impl={"moe_heuristic_miss_share": 0.0, "moe_grouped_gemm": False}))
@@ -342,3 +343,11 @@ def test_query_and_key_norms_are_two_norm_modules_in_every_layer_that_the_host_i
     assert float((qk.ew.ew_f_s - plain.ew.ew_f_s)[0]) == pytest.approx(float(expected), rel=1e-9)
     slower = step_time(_plan({**MOE8, "qk_layernorm": True})).iteration_time_s
     assert slower > step_time(_plan()).iteration_time_s
+
+
+def test_the_layer_pays_the_heuristic_misses_of_the_ep_rank_that_misses_most():
+    # 16 local experts missing with probability 1/4 each: 4 a rank on average, spread sqrt(16 x 1/4 x 3/4) = 1.732;
+    # the largest of 4 ranks' counts lies E[max of 4 normals] spreads above (Blom: 1.049; the all-to-all waits for it)
+    assert float(moe.busiest_rank_misses(16, 0.25, 1)) == pytest.approx(4.0)
+    assert float(moe.busiest_rank_misses(16, 0.25, 4)) == pytest.approx(4.0 + 1.0491 * 3 ** 0.5, rel=1e-4)
+    assert float(moe.busiest_rank_misses(16, 0.0, 8)) == 0.0 and float(moe.busiest_rank_misses(16, 1.0, 8)) == 16.0

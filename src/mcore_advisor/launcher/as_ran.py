@@ -52,24 +52,31 @@ def te_probe_ms(result: Mapping[str, Any] | None) -> float | None:
 
 def machine_key(result: Mapping[str, Any] | None, fallback: Hashable | None = None) -> tuple | None:
     """Which machine's host a result's probe timed: its hostname and boot id (jobs since s14: VMs share names
-    like 'vm'; `fallback` names the machine of older rows), GPU and cuBLASLt cache setting (the probe's GEMMs
-    query the heuristics). None without a Transformer Engine probe, which is the only one as_ran reads."""
+    like 'vm'; `fallback` names the machine of older rows) and GPU. None without a Transformer Engine probe,
+    which is the only one as_ran reads."""
     host = (result or {}).get("host") or {}
     name = host.get("hostname") or fallback
     if name is None or te_probe_ms(result) is None:
         return None
-    return (name, host.get("boot_id"), (result or {}).get("device"), host.get("cublaslt_heuristics_cache_capacity"))
+    return (name, host.get("boot_id"), (result or {}).get("device"))
+
+
+def _cache_off(result: Mapping[str, Any] | None) -> bool:
+    """Whether the job ran with cuBLASLt's heuristics cache off (CUBLASLT_HEURISTICS_CACHE_CAPACITY=0)."""
+    return ((result or {}).get("host") or {}).get("cublaslt_heuristics_cache_capacity") == 0
 
 
 def earlier_machine_probes(results: Sequence[Mapping[str, Any] | None],
                            fallbacks: Sequence[Hashable | None]) -> list[list[float]]:
-    """For each result, in the order the jobs ran, the probes (ms per layer) of the earlier jobs on its machine."""
+    """For each result, in the order the jobs ran, the probes (ms per layer) of the earlier jobs on its machine
+    that ran with cuBLASLt's heuristics cache on: a probe with it off also times every GEMM's heuristic query
+    (the Y set's H100 VM: 9.0-9.5 ms against 4.5-5.4 ms with it on), so it joins no pool."""
     seen: dict[tuple, list[float]] = defaultdict(list)
     out = []
     for result, fallback in zip(results, fallbacks, strict=True):
         key = machine_key(result, fallback)
         out.append(seen[key][-MACHINE_PROBES_KEPT:] if key else [])
-        if key:
+        if key and not _cache_off(result):
             seen[key].append(te_probe_ms(result))  # type: ignore[arg-type]
     return out
 
@@ -147,11 +154,16 @@ def measured_host_floor_ms(result: Mapping[str, Any] | None, machine_probes: Seq
 
 
 def _host_reading(result: Mapping[str, Any] | None, machine_probes: Sequence[float]) -> tuple | None:
-    """(the job's probe ms, the median with its machine's, the host floor, cache off) or None."""
+    """(the job's probe ms, the median with its machine's, the host floor, cache off) or None. A job run with the
+    heuristics cache off reads its host from its machine's probes with the cache on where there are any (its own
+    probe less the queries' estimate only where there are none)."""
     own = te_probe_ms(result)
     if own is None:
         return None
-    cache_off = ((result or {}).get("host") or {}).get("cublaslt_heuristics_cache_capacity") == 0
+    cache_off = _cache_off(result)
+    if cache_off and machine_probes:
+        ms = statistics.median(machine_probes)
+        return own, ms, host_floor_from_probe(ms), False
     ms = statistics.median([own, *machine_probes])
     return own, ms, host_floor_from_probe(ms, heuristics_cache_off=cache_off), cache_off
 
@@ -165,6 +177,9 @@ def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str], m
     own, ms, floor, cache_off = reading
     with_earlier = (f"; the median with this machine's {len(machine_probes)} earlier probes: {ms:.2f} ms"
                     if machine_probes else "")
+    if _cache_off(result) and not cache_off:
+        with_earlier = (f", the cache off; the median of this machine's {len(machine_probes)} earlier probes with it on: "
+                        f"{ms:.2f} ms")
     diffs = diffs + [f"host_floor_ms_per_layer {floor:.2f} (the job's host probe: {own:.2f} ms per TE layer{with_earlier}"
                      f"{', less its GEMMs heuristic queries: the cache was off' if cache_off else ''})"]
     return AsRan(with_changes(plan, "cluster", host_floor_ms_per_layer=round(floor, 4)), diffs)

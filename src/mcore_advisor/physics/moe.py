@@ -209,6 +209,18 @@ EXPERT_GEMM_SHAPES = 6
 """cuBLASLt problems per expert row count: fc1 and fc2 forward, each one's dgrad and wgrad (the row count is M
 of four and K of the two wgrads; the other dimensions are the layer's, alike for every expert and layer)."""
 
+QUERIED_EXPERT_GEMMS = (2.0, 2.0)
+"""Of an expert's GEMMs, those (forward, backward) whose new row count costs a heuristic query: fc1 and fc2 forward
+and their dgrads, where the row count is M. The two wgrads meet it as the reduction dimension K and cost about what
+a problem met before costs: on one H100, a new row count read 0.12-0.21 ms (forward, dgrad) against 0.024-0.039
+ms (wgrad, 0.016-0.029 met before), cuBLASLt and cuBLAS alike, alone and four processes at once, at four expert
+shapes (benchmarks/gpu/gemm_shape_probe.py, session s10, 4 x H100: benchmarks/results/gpu_h100x4_gemm_shape_probe_s10.jsonl).
+The wgrads' problems still take cache keys (EXPERT_GEMM_SHAPES). Inside Megatron-LM's loop (128 experts routed as is on
+one GPU, every expert GEMM a miss with the cache off): the cache off added 1.66 and 1.85 s a step to the 8x cache's
+1.80 s on one H100 (s15, benchmarks/results/gpu_h100_Y_runs.jsonl, Y_qwen30like_cache0 against _cachebig), which
+this count predicts at 1.79 s on that machine's host probes (4.77 ms) where 2 + 4 predicted 2.69 s; 1.27 s on one H200
+(s9, C_qwen30like_e128k8_s4k_cache0 against the default cache: 1.65 s here, 2.48 s at 2 + 4)."""
+
 HEURISTIC_QUERY_REF_LAYERS = 0.0245
 """Host time of one GEMM whose problem misses the heuristics cache (cublasLtMatmulAlgoGetHeuristic, then the
 launch), in reference layers (the host floor's unit): 0.135 ms, the median over 300 row counts met for the
@@ -330,6 +342,17 @@ def busiest_rank_load(shape, ep, cv: float, slots=None) -> np.ndarray:
     if slots is not None:
         spread2 = spread2 + np.maximum(1.0 - 1.0 / ep, 0.0) * ep / np.maximum(slots, 1.0)
     return np.where(ep > 1, np.minimum(ep, 1.0 + _expected_max_normal(ep) * np.sqrt(spread2)), 1.0)
+
+
+def busiest_rank_misses(local, share, ep) -> np.ndarray:
+    """Expert row counts per MoE layer call that miss the heuristics cache on the EP rank that misses most: each
+    of a rank's `local` experts misses with probability `share` on its own, and every rank waits for the slowest
+    at the layer's next all-to-all, so the layer pays the most-missing rank's queries (the expected largest of EP
+    binomial counts, as a normal's; the mean alone on one rank)."""
+    local, share = np.asarray(local, dtype=np.float64), np.asarray(share, dtype=np.float64)
+    mean = local * share
+    spread = np.sqrt(np.maximum(local * share * (1.0 - share), 0.0))
+    return np.minimum(local, mean + _expected_max_normal(np.asarray(ep, dtype=np.float64)) * spread)
 
 
 def routing_imbalance(c) -> np.ndarray:
@@ -477,20 +500,21 @@ def experts(c, kit: MoeKit) -> dict:
     share = (impl.moe_miss_share if impl.moe_miss_share is not None
              else 0.0 if impl.moe_pad_to_capacity  # one row count: its six problems stay cached
              else heuristic_miss_share(M_e, expert_load_cv(impl.moe_force_balanced, impl.moe_expert_cv), impl.cublaslt_cache))
-    miss = local * share
+    miss = busiest_rank_misses(local, share, c.ep)
     per_query = HEURISTIC_QUERY_REF_LAYERS if impl.te else HEURISTIC_QUERY_TORCH_REF_LAYERS
     query_f, query_b = (per_query * q for q in kit.ref_units)  # one query in host units
-    # a miss costs per_query of the host's reference layer (TE's or torch's path): fc1, fc2 forward; 4 GEMMs backward
+    # a miss costs per_query of the host's reference layer (TE's or torch's path) per QUERIED_EXPERT_GEMMS
     # forward: each expert's GEMM waits for its own heuristic query (asked right before its launch, after the
     # dispatcher's sync): the GPU idles where a query outlasts the previous expert's GEMM, whatever the layer's
     # host total (trace, s9 C_moe64top8_ep4_alltoall step 3: 179 of the 279 ms the GPU idled fell inside the
     # forward _GroupedLinear; none inside its backward, whose host runs ahead of the GPU)
     query_s = query_f * c.host_f
     per_gemm_f = (fc1[0] + fc2[0]) / (2.0 * groups)  # one expert's fc1 or fc2, forward
-    miss_wait_f = 2.0 * miss * np.maximum(0.0, query_s - per_gemm_f)
+    miss_wait_f = QUERIED_EXPERT_GEMMS[0] * miss * np.maximum(0.0, query_s - per_gemm_f)
     return {"gemm_f": n * (fc1[0] + fc2[0]), "gemm_b": n * (fc1[1] + fc1[2] + fc2[1] + fc2[2]),
             "wgrad_b": n * (fc1[2] + fc2[2]), "ew_f": act, "ew_b": 2.0 * act, "acc_b": acc, "T_exp": T_exp, "miss_share": share, "miss_wait_f": miss_wait_f,
-            "kernels": (fix_f + per_f * local + 2.0 * miss * query_f, fix_b + per_b * local + 4.0 * miss * query_b)}
+            "kernels": (fix_f + per_f * local + QUERIED_EXPERT_GEMMS[0] * miss * query_f,
+                        fix_b + per_b * local + QUERIED_EXPERT_GEMMS[1] * miss * query_b)}
 
 
 def shared_experts(c, kit: MoeKit) -> dict:
