@@ -241,7 +241,7 @@ row was predicted with (no TE host probe there). The held-out N_moe8top2_ep2_all
 lease's isolated probe (benchmarks/gpu/gemm_shape_probe.py, benchmarks/results/gpu_h100x4_gemm_shape_probe_s10.jsonl)
 reads 0.12-0.20 ms for a new row count of the forward and dgrad GEMMs, alone or four processes at once, and 0.025 ms
 for the wgrad (the row count as the reduction dimension): a training step pays about twice the isolated query, so
-the in-run figure is the one used, for all six GEMMs alike."""
+the in-run figure is the one used, for the GEMMs QUERIED_EXPERT_GEMMS counts."""
 
 
 #: bins of the row-count law in the cache model: each bin's counts are taken as equally likely (the law is smooth
