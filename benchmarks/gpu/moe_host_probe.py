@@ -118,9 +118,9 @@ def timed(fwd, grad) -> dict:
             "wall_s": med(tot)}
 
 
-def _splits(local: int, mean: int) -> torch.Tensor:
+def _splits(local: int, mean: int, seed: int | None = None) -> torch.Tensor:
     """Uneven token counts per local expert summing to local * mean (not multiples of 16, so FP8 pads)."""
-    g = torch.Generator().manual_seed(local)
+    g = torch.Generator().manual_seed(local if seed is None else seed)
     dev = torch.randint(-mean // 4, mean // 4 + 1, (local,), generator=g)
     dev[-1] -= dev.sum()
     return (mean + dev).clamp(min=1).to(torch.int64)
@@ -155,7 +155,12 @@ def _new_counts(local: int, total: int, i: int) -> torch.Tensor:
     return c
 
 
-def misses_case(local: int, fusion: bool, new: bool):
+CYCLED_SPLITS = 3  # 'cycle': the counts take one of this many fixed sets in turn, all met in the warm-up iterations
+
+
+def misses_case(local: int, fusion: bool, mode: str):
+    """TEGroupedMLP with every expert's row count the same each iteration ('same'), one of CYCLED_SPLITS sets met
+    before ('cycle': the counts change but every GEMM problem is cached) or never met before ('new')."""
     cfg = config(local, 2, "bf16", fusion)
     ex = wrapped(cfg, moe_layer(cfg).experts)
     total = MISS_TOKENS_PER_EXPERT * local
@@ -164,9 +169,12 @@ def misses_case(local: int, fusion: bool, new: bool):
     probs = torch.rand(total, device="cuda", dtype=torch.float32)
     grad = torch.randn(total, HIDDEN, device="cuda", dtype=torch.bfloat16)
     it = _MET.setdefault(local, itertools.count())
+    cycled = [_splits(local, MISS_TOKENS_PER_EXPERT, seed=local * 100 + j) for j in range(CYCLED_SPLITS)]
+    turn = itertools.count()
 
     def fwd(ctx):
-        counts = _new_counts(local, total, next(it)) if new else fixed
+        counts = {"new": lambda: _new_counts(local, total, next(it)), "same": lambda: fixed,
+                  "cycle": lambda: cycled[next(turn) % CYCLED_SPLITS]}[mode]()
         with ctx(cfg):
             return ex(x, counts, probs)[0]
 
@@ -209,14 +217,20 @@ def reference(tag: str):
     emit(kind="host_probe", at=tag, **{k: v for k, v in host_probe.measure(True).items() if k != "per_iteration_ms"})
 
 
+#: MOE_PROBE_FUSION=off|on|both: the wgrad fusion settings `misses` runs (both: off, then on)
+FUSIONS = {"off": (False,), "on": (True,), "both": (False, True)}[os.environ.get("MOE_PROBE_FUSION", "both")]
+#: MOE_PROBE_MODES=same,new[,cycle]: the count modes `misses` interleaves, each twice
+MODES = tuple(os.environ.get("MOE_PROBE_MODES", "same,new").split(","))
+
+
 def run_misses():
     for local in (8, 32):
-        for fusion in (False, True):
-            for new in (False, True, False, True):  # interleaved twice: the host's drift shows
-                rec = {"kind": "moe_misses", "local_experts": local, "fusion": fusion, "new_counts": new,
-                       "precision": "bf16", "hidden": HIDDEN, "ffn": FFN, "ddp": DDP}
+        for fusion in FUSIONS:
+            for mode in MODES * 2:  # interleaved twice: the host's drift shows
+                rec = {"kind": "moe_misses", "local_experts": local, "fusion": fusion, "new_counts": mode == "new",
+                       "counts": mode, "precision": "bf16", "hidden": HIDDEN, "ffn": FFN, "ddp": DDP}
                 try:
-                    emit(**rec, **misses_case(local, fusion, new))
+                    emit(**rec, **misses_case(local, fusion, mode))
                 except Exception as exc:
                     emit(**rec, error=repr(exc)[:400])
                 torch.cuda.empty_cache()
