@@ -52,8 +52,10 @@ class Row:
 
 
 def _layout(tp: int, pp: int, vp: int | None, ep: int, gbs: int, mbs: int) -> dict:
+    """Every recipe read sets ETP 1 (Qwen3's BASE_*_CONFIG expert_tensor_parallel_size=1, the 25.09 yamls' `etp: 1`;
+    GPT-OSS runs TP 1): without it Megatron's default is ETP = TP."""
     return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "num_virtual_stages_per_pipeline_rank": vp,
-            "expert_model_parallel_size": ep, "sequence_parallel": tp > 1, "seq_length": 4096,
+            "expert_model_parallel_size": ep, "expert_tensor_parallel_size": 1, "sequence_parallel": tp > 1, "seq_length": 4096,
             "global_batch_size": gbs, "micro_batch_size": mbs}
 
 
