@@ -126,8 +126,8 @@ def _splits(local: int, mean: int, seed: int | None = None) -> torch.Tensor:
     return (mean + dev).clamp(min=1).to(torch.int64)
 
 
-def experts_case(local: int, precision: str):
-    cfg = config(local, 2, precision)
+def experts_case(local: int, precision: str, fusion: bool = False):
+    cfg = config(local, 2, precision, fusion)
     ex = wrapped(cfg, moe_layer(cfg).experts)
     counts = _splits(local, TOKENS_PER_EXPERT)  # on the host, as the alltoall dispatcher hands them over
     n = int(counts.sum())
@@ -181,22 +181,6 @@ def misses_case(local: int, fusion: bool, mode: str):
     return {"module": type(getattr(ex, "module", ex)).__name__, "tokens": total, **timed(fwd, grad)}
 
 
-def fusion_case(local: int):
-    cfg = config(local, 2, "bf16", True)
-    ex = wrapped(cfg, moe_layer(cfg).experts)
-    counts = _splits(local, TOKENS_PER_EXPERT)
-    n = int(counts.sum())
-    x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    probs = torch.rand(n, device="cuda", dtype=torch.float32)
-    grad = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
-
-    def fwd(ctx):
-        with ctx(cfg):
-            return ex(x, counts, probs)[0]
-
-    return {"module": type(getattr(ex, "module", ex)).__name__, "tokens": n, **timed(fwd, grad)}
-
-
 def layer_case(experts: int, topk: int, precision: str):
     cfg = config(experts, topk, precision)
     layer = wrapped(cfg, moe_layer(cfg))
@@ -241,7 +225,7 @@ def run_fusion():
         rec = {"kind": "moe_fusion", "local_experts": local, "fusion": True, "precision": "bf16", "hidden": HIDDEN,
                "ffn": FFN, "ddp": DDP}
         try:
-            emit(**rec, **fusion_case(local))
+            emit(**rec, **experts_case(local, "bf16", fusion=True))
         except Exception as exc:
             emit(**rec, error=repr(exc)[:400])
         torch.cuda.empty_cache()
