@@ -351,3 +351,9 @@ def test_the_layer_pays_the_heuristic_misses_of_the_ep_rank_that_misses_most():
     assert float(moe.busiest_rank_misses(16, 0.25, 1)) == pytest.approx(4.0)
     assert float(moe.busiest_rank_misses(16, 0.25, 4)) == pytest.approx(4.0 + 1.0491 * 3 ** 0.5, rel=1e-4)
     assert float(moe.busiest_rank_misses(16, 0.0, 8)) == 0.0 and float(moe.busiest_rank_misses(16, 1.0, 8)) == 16.0
+
+
+def test_rare_misses_cost_at_most_every_ep_ranks_misses_together():
+    # a miss in a million row counts: the normal's tail would charge 1.42 spreads (sqrt(8e-6)) on 8 ranks; the most
+    # any rank can miss is all 8 ranks' misses together
+    assert float(moe.busiest_rank_misses(8, 1e-6, 8)) == pytest.approx(8 * 8e-6)

@@ -348,11 +348,14 @@ def busiest_rank_misses(local, share, ep) -> np.ndarray:
     """Expert row counts per MoE layer call that miss the heuristics cache on the EP rank that misses most: each
     of a rank's `local` experts misses with probability `share` on its own, and every rank waits for the slowest
     at the layer's next all-to-all, so the layer pays the most-missing rank's queries (the expected largest of EP
-    binomial counts, as a normal's; the mean alone on one rank)."""
+    binomial counts, as a normal's; the mean alone on one rank), never more than all EP ranks' misses together
+    (which bounds the normal's tail where misses are rare)."""
     local, share = np.asarray(local, dtype=np.float64), np.asarray(share, dtype=np.float64)
+    ep = np.asarray(ep, dtype=np.float64)
     mean = local * share
     spread = np.sqrt(np.maximum(local * share * (1.0 - share), 0.0))
-    return np.minimum(local, mean + _expected_max_normal(np.asarray(ep, dtype=np.float64)) * spread)
+    return np.minimum.reduce([np.broadcast_to(local, np.shape(mean + ep)), mean + _expected_max_normal(ep) * spread,
+                              np.maximum(ep, 1.0) * mean])
 
 
 def routing_imbalance(c) -> np.ndarray:
