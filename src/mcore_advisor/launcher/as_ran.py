@@ -147,25 +147,28 @@ def _replayed_at_the_runs_cache(rec: Mapping[str, Any], result: Mapping[str, Any
 
 def measured_host_floor_ms(result: Mapping[str, Any] | None, machine_probes: Sequence[float] = ()) -> float | None:
     """The host speed (ClusterSpec.host_floor_ms_per_layer) the job's Transformer Engine probe and its machine's
-    earlier probes measured: their median, less the GEMMs' heuristic queries where the cache was off; None
-    without such a probe."""
+    earlier probes measured (_host_reading); None without such a probe."""
     reading = _host_reading(result, machine_probes)
-    return reading[2] if reading else None
+    return reading[0] if reading else None
 
 
-def _host_reading(result: Mapping[str, Any] | None, machine_probes: Sequence[float]) -> tuple | None:
-    """(the job's probe ms, the median with its machine's, the host floor, cache off) or None. A job run with the
-    heuristics cache off reads its host from its machine's probes with the cache on where there are any (its own
-    probe less the queries' estimate only where there are none)."""
+def _host_reading(result: Mapping[str, Any] | None, machine_probes: Sequence[float]) -> tuple[float, str] | None:
+    """(the host floor, how it was read) or None: the median of the job's probe and its machine's earlier ones; a
+    job run with the heuristics cache off reads its machine's probes with the cache on where there are any, its own
+    probe less the queries' estimate only where there are none."""
     own = te_probe_ms(result)
     if own is None:
         return None
-    cache_off = _cache_off(result)
-    if cache_off and machine_probes:
+    how = f"the job's host probe: {own:.2f} ms per TE layer"
+    n = len(machine_probes)
+    if _cache_off(result) and machine_probes:
         ms = statistics.median(machine_probes)
-        return own, ms, host_floor_from_probe(ms), False
+        return host_floor_from_probe(ms), f"{how}, the cache off; the median of this machine's {n} earlier probes with it on: {ms:.2f} ms"
     ms = statistics.median([own, *machine_probes])
-    return own, ms, host_floor_from_probe(ms, heuristics_cache_off=cache_off), cache_off
+    how += f"; the median with this machine's {n} earlier probes: {ms:.2f} ms" if machine_probes else ""
+    if _cache_off(result):
+        return host_floor_from_probe(ms, heuristics_cache_off=True), how + ", less its GEMMs heuristic queries: the cache was off"
+    return host_floor_from_probe(ms), how
 
 
 def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str], machine_probes: Sequence[float]) -> AsRan:
@@ -174,14 +177,8 @@ def _on_measured_host(plan: Plan, result: Mapping[str, Any], diffs: list[str], m
     reading = _host_reading(result, machine_probes)
     if plan.cluster.host_floor_ms_per_layer is not None or reading is None:
         return AsRan(plan, diffs)
-    own, ms, floor, cache_off = reading
-    with_earlier = (f"; the median with this machine's {len(machine_probes)} earlier probes: {ms:.2f} ms"
-                    if machine_probes else "")
-    if _cache_off(result) and not cache_off:
-        with_earlier = (f", the cache off; the median of this machine's {len(machine_probes)} earlier probes with it on: "
-                        f"{ms:.2f} ms")
-    diffs = diffs + [f"host_floor_ms_per_layer {floor:.2f} (the job's host probe: {own:.2f} ms per TE layer{with_earlier}"
-                     f"{', less its GEMMs heuristic queries: the cache was off' if cache_off else ''})"]
+    floor, how = reading
+    diffs = diffs + [f"host_floor_ms_per_layer {floor:.2f} ({how})"]
     return AsRan(with_changes(plan, "cluster", host_floor_ms_per_layer=round(floor, 4)), diffs)
 
 
