@@ -273,6 +273,19 @@ REPRESENTATIVE: dict[str, tuple[dict, dict]] = {
          "training": {"seq_length": 8192, "global_batch_size": 64},
          "parallelism": {"expert_model_parallel_size": 8}},
         {"launcher": "torchrun", "allow_invalid": True}),
+    "15_qwen3-30b-a3b_te_graphs_router_ep8": (
+        {"model": {"name": "qwen3-30b-a3b"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 8},
+         "training": {"seq_length": 4096, "global_batch_size": 128},
+         "parallelism": {"expert_model_parallel_size": 8, "expert_tensor_parallel_size": 1},
+         "implementation": {"moe_token_dispatcher_type": "alltoall", "expandable_segments": True,
+                            "cuda_graph_impl": "transformer_engine",
+                            "cuda_graph_modules": ["attn", "moe_router", "moe_preprocess"]}},
+        {"launcher": "torchrun"}),
+    "16_llama3-8b_local_graphs_layer": (
+        {"model": {"name": "llama3-8b"}, "cluster": {"gpu": "h100-sxm", "num_gpus": 8},
+         "training": {"seq_length": 8192, "global_batch_size": 64},
+         "implementation": {"cuda_graph_impl": "local"}},
+        {"launcher": "torchrun"}),
 }
 
 # name -> (model, GPUs, seq_length): the top plan of recommend_parallelism for it, rendered as the CLI would.

@@ -747,11 +747,49 @@ def misses_spec_lines() -> list[dict]:
     return [_line(name, p, n, RUN_Y, te=True, env=env or None) for name, p, n, env in misses_rows()]
 
 
+#: the Z set (session s16, issue 15): CUDA graphs in Megatron-LM's loop on one H100, predicted before the run: the H set's
+#: 32-expert Qwen3-30B-like rank (forced routing; dropless with the router and preprocess captured, drop-and-pad with the
+#: whole layer captured) and a host-bound 0.85B Llama-style dense model (whole layer, attention only), each beside its
+#: plan without graphs; the capture happens at iteration 3 (cuda_graph_warmup_steps), so five warm-up iterations
+RUN_Z = {"warmup_steps": 5, "measure_steps": 8, "profile_steps": None}
+ROUTER_GRAPHS = ["attn", "moe_router", "moe_preprocess"]
+
+
+def graphs_rows() -> list[tuple[str, Plan, int]]:
+    forced = {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", "moe_permute_fusion": True,
+              "moe_router_force_load_balancing": True, **NO_MASK}
+    drop = {**forced, "moe_router_force_load_balancing": False, "moe_expert_capacity_factor": 1.0,
+            "moe_pad_expert_input_to_capacity": True}
+    te, local = {"cuda_graph_impl": "transformer_engine"}, {"cuda_graph_impl": "local"}
+
+    def q30(impl: dict) -> Plan:
+        return plan(Q30_RANK, 1, seq=4096, gbs=16, mbs=2, impl=impl)
+
+    def dense(impl: dict) -> Plan:
+        return plan(LLAMA1B, 1, seq=2048, gbs=16, mbs=1, impl={**NO_MASK, **impl})
+
+    return [("Z_q30rank_forced", q30(forced), 1),
+            ("Z_q30rank_forced_te_router", q30({**forced, **te, "cuda_graph_modules": ROUTER_GRAPHS}), 1),
+            ("Z_llama1b", dense({}), 1),
+            ("Z_llama1b_local_layer", dense(local), 1),
+            ("Z_q30rank_droppad", q30(drop), 1),
+            ("Z_q30rank_droppad_local_layer", q30({**drop, **local}), 1),
+            ("Z_llama1b_te_attn", dense({**te, "cuda_graph_modules": ["attn"]}), 1),
+            ("Z_q30rank_forced_local_router", q30({**forced, **local, "cuda_graph_modules": ROUTER_GRAPHS}), 1),
+            ("Z_llama1b_te_layer", dense(te), 1),
+            ("Z_qwen30like_forced_te_router", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1, impl={
+                **forced, **te, "cuda_graph_modules": ROUTER_GRAPHS}), 1)]
+
+
+def graphs_spec_lines() -> list[dict]:
+    return [_line(name, p, n, RUN_Z, te=True) for name, p, n in graphs_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun", "repeat", "misses"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun", "repeat", "misses", "graphs"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -769,7 +807,8 @@ def main(argv: list[str] | None = None) -> None:
                          "fp8_experts: the H_* plans (32 local experts on one GPU, bf16 and FP8 delayed / current scaling); "
                          "rerun: the W_* plans (s4's and s3's MoE plans again, with the host probe); "
                          "repeat: the X_* plans (one-GPU MoE plans of F and H again, some twice, on one machine); "
-                         "misses: the Y_* plans (one-GPU 128 experts as routed, cuBLASLt's heuristics cache as is, off, 8x)")
+                         "misses: the Y_* plans (one-GPU 128 experts as routed, cuBLASLt's heuristics cache as is, off, 8x); "
+                         "graphs: the Z_* plans (CUDA graphs on one GPU: MoE router/preprocess, drop-and-pad whole layer, dense)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
@@ -778,7 +817,8 @@ def main(argv: list[str] | None = None) -> None:
                  "local_more": local_more_spec_lines, "mla": mla_spec_lines, "peak": peak_spec_lines,
                  "te_trace": te_trace_spec_lines, "local_check": local_check_spec_lines,
                  "ep_overlap": ep_overlap_spec_lines, "fp8_experts": fp8_experts_spec_lines,
-                 "rerun": rerun_spec_lines, "repeat": repeat_spec_lines, "misses": misses_spec_lines}.get(
+                 "rerun": rerun_spec_lines, "repeat": repeat_spec_lines, "misses": misses_spec_lines,
+                 "graphs": graphs_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None

@@ -94,6 +94,18 @@ class Implementation:
         return self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is not None
 
     @property
+    def graphed(self) -> frozenset[str]:
+        """The layer parts a CUDA graph captures: --cuda-graph-modules under 'local' or 'transformer_engine'
+        (none listed = the whole layer: Megatron's default 'full' scope), everything under 'full_iteration';
+        empty without graphs. 'attn' and 'mlp' name a dense layer's halves, 'moe_router' / 'moe_preprocess' /
+        'moe' an MoE layer's parts (physics.moe.host_pieces)."""
+        if self.cuda_graph_impl == "none":
+            return frozenset()
+        if self.cuda_graph_impl == "full_iteration" or not self.cuda_graph_modules:
+            return frozenset({"attn", "mlp", "moe"})
+        return frozenset(self.cuda_graph_modules)
+
+    @property
     def unfused_attention(self) -> bool:
         """Whether core attention stores the s x s scores: the local spec always runs Megatron's own
         DotProductAttention (gpt_layer_specs.get_gpt_layer_local_submodules: LocalSpecProvider.core_attention,

@@ -581,16 +581,6 @@ def attention_part_kernels(L) -> tuple:
             (1.0 - share_b) * (L.dense["kernels_b"] - qk_b) + qk_b + norm_b)
 
 
-def _graphed(impl) -> set:
-    """The layer parts a CUDA graph captures (cuda_graph_impl + cuda_graph_modules; none listed = the
-    whole layer; full_iteration = everything), empty without graphs."""
-    if impl.cuda_graph_impl == "none":
-        return set()
-    if impl.cuda_graph_impl == "full_iteration":
-        return {"attn", "moe"}
-    return set(impl.cuda_graph_modules) or {"attn", "moe"}
-
-
 def host_pieces(c, L, parts: dict) -> list:
     """[(captured by, (forward, backward) launches)] of one MoE layer and micro-batch: the attention
     part ('attn'), router + shared experts ('moe_router'), permute + the dispatcher's local work
@@ -610,7 +600,7 @@ def host_kernels(c, L, parts: dict) -> tuple:
     """(forward, backward) launches of one MoE layer and micro-batch as the host pays for them
     (host_pieces), each piece a CUDA graph captures replaced by one launch (GRAPHED_LAUNCHES), plus the
     combined 1F1B schedule's own (COMBINED_1F1B_HOST_KERNELS)."""
-    mods = _graphed(c.impl)
+    mods = c.impl.graphed
     kf = COMBINED_1F1B_HOST_KERNELS if c.impl.moe_ep_overlap else 0.0
     kb = 0.0
     for names, (f, b) in host_pieces(c, L, parts):
@@ -623,7 +613,7 @@ def host_syncs_per_layer(impl) -> float:
     """Host syncs per MoE layer and micro-batch (MOE_HOST_SYNCS; none in a layer captured whole, none where the
     alltoall dispatcher pads every expert to its capacity: every split is known on the host,
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize returns at once)."""
-    if "moe" in _graphed(impl) or (impl.moe_pad_to_capacity and impl.moe_dispatcher == "alltoall"):
+    if "moe" in impl.graphed or (impl.moe_pad_to_capacity and impl.moe_dispatcher == "alltoall"):
         return 0.0
     return MOE_HOST_SYNCS[impl.moe_dispatcher]
 

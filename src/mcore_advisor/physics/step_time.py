@@ -103,6 +103,8 @@ from mcore_advisor.physics.memory import (
     stage_table,
 )
 from mcore_advisor.physics.moe import (
+    DENSE_MLP_HOST_SHARE,
+    GRAPHED_LAUNCHES,
     HEURISTIC_QUERY_REF_LAYERS,
     NORM_OP_HOST_KERNELS,
     MoeKit,
@@ -615,8 +617,7 @@ class _Impl:
     moe_delay_wgrad: bool = False  # --delay-wgrad-compute
     ce_fusion: bool = True
     recompute_modules: tuple[str, ...] = ("core_attn",)
-    cuda_graph_impl: str = "none"
-    cuda_graph_modules: tuple[str, ...] = ()
+    graphed: frozenset[str] = frozenset()  # the layer parts CUDA graphs capture (layouts.Implementation.graphed)
     dp_sharding: DpSharding = DpSharding(False, False, None)  # what DP shards: physics.memory.dp_sharding
 
 
@@ -654,8 +655,7 @@ def _kernel_choices(im: Implementation, fp8: bool) -> _Impl:
         moe_delay_wgrad=im.delay_wgrad_compute and im.overlap_moe_expert_parallel_comm,
         ce_fusion=im.cross_entropy_loss_fusion,
         recompute_modules=im.recompute_modules if im.recompute_modules is not None else ("core_attn",),
-        cuda_graph_impl=im.cuda_graph_impl,
-        cuda_graph_modules=im.cuda_graph_modules,
+        graphed=im.graphed,
         dp_sharding=dp_sharding(im),
     )
 
@@ -1220,7 +1220,7 @@ def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
     frac_moe = float(shape.num_moe_layers) / float(shape.num_layers)
     # (parts, share of the layers, is MoE) per layer kind: a GPT model's dense and MoE layers, or
     # a hybrid pattern's one-block layers (physics.mamba).
-    kinds = [(L.dense, 1 - frac_moe, False)] + ([(moe, frac_moe, True)] if shape.is_moe else [])
+    kinds = [(_graphed_dense(c, L.dense), 1 - frac_moe, False)] + ([(moe, frac_moe, True)] if shape.is_moe else [])
     if shape.is_hybrid:
         kinds = _hybrid_kinds(c, L, moe)
     comp = {}
@@ -1250,6 +1250,21 @@ def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
     miss_wait = sum(w * p.get("miss_wait_f", 0.0) for p, w, _ in kinds)
     host_gap = np.maximum(host_gap, miss_wait)
     return _LayerAverage(comp, lay_f, lay_b, lay_rc, host_gap, t_layer_gpu + host_gap, k_f + k_rc + k_b)
+
+
+def _graphed_dense(c: _Ctx, d: dict) -> dict:
+    """The dense layer with the launches the host pays under CUDA graphs: its attention half (the query and key
+    norms with it) and its MLP half (DENSE_MLP_HOST_SHARE) each one replay (GRAPHED_LAUNCHES) where captured."""
+    captured = c.impl.graphed & {"attn", "mlp"}
+    if not captured:
+        return d
+    out = dict(d)
+    for i, key in enumerate(("kernels_f", "kernels_b")):
+        qk = d[("qk_norm_kernels_f", "qk_norm_kernels_b")[i]]
+        mlp = DENSE_MLP_HOST_SHARE[i] * (d[key] - qk)
+        halves = {"attn": d[key] - mlp, "mlp": mlp}
+        out[key] = d[key] - sum(halves[name] - GRAPHED_LAUNCHES for name in captured)
+    return out
 
 
 def _layer_kernels(c: _Ctx, p: dict) -> tuple:

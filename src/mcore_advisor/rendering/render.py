@@ -282,6 +282,10 @@ def _environment(req: RenderRequest, arch: str, headroom: float | None) -> list[
         env.append(EnvSetting(name="PYTORCH_CUDA_ALLOC_CONF", action="set", value="expandable_segments:True",
                               why=f"estimated peak leaves {headroom:.0%} of HBM free (< {TIGHT_MEMORY_HEADROOM:.0%}): "
                                   "fragmentation alone could run the job out of memory"))
+    if plan.implementation.cuda_graph_impl == "transformer_engine" and any(e.name == "PYTORCH_CUDA_ALLOC_CONF" for e in env):
+        env.append(EnvSetting(name="NCCL_GRAPH_REGISTER", action="set", value="0",
+                              why="TE's CUDA graphs with expandable segments: NCCL's graph buffer registration hits an "
+                                  "illegal memory access (Megatron's validate_args asserts NCCL_GRAPH_REGISTER=0)"))
     if plan.implementation.cublaslt_heuristics_cache_capacity is not None:
         env.append(EnvSetting(name="CUBLASLT_HEURISTICS_CACHE_CAPACITY", action="set",
                               value=str(plan.implementation.cublaslt_heuristics_cache_capacity),

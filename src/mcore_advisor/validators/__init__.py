@@ -29,7 +29,7 @@ from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import catalog_model, resolve_model
 from mcore_advisor.schemas import Finding, Plan, Severity
 
-from . import batch, hardware, implementation, layout, model, recompute  # noqa: F401  (registers rules)
+from . import batch, cuda_graphs, hardware, implementation, layout, model, recompute  # noqa: F401  (registers rules)
 from ._core import RULES as _REGISTERED
 from ._core import Ctx, Rule
 
@@ -81,6 +81,8 @@ def _ctx_from_plan(plan: Plan) -> Ctx:
         moe_expert_capacity_factor=im.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=im.moe_pad_expert_input_to_capacity,
         overlap_moe_expert_parallel_comm=im.overlap_moe_expert_parallel_comm, delay_wgrad_compute=im.delay_wgrad_compute,
+        cuda_graph_impl=im.cuda_graph_impl, cuda_graph_modules=tuple(im.cuda_graph_modules or ()),
+        check_for_nan_in_loss_and_grad=im.check_for_nan_in_loss_and_grad,
     )
 
 

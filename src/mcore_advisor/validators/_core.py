@@ -65,6 +65,9 @@ CAPACITY_FACTOR = "implementation.moe_expert_capacity_factor"
 PAD_TO_CAPACITY = "implementation.moe_pad_expert_input_to_capacity"
 EP_OVERLAP = "implementation.overlap_moe_expert_parallel_comm"
 DELAY_WGRAD = "implementation.delay_wgrad_compute"
+CUDA_GRAPH_IMPL = "implementation.cuda_graph_impl"
+CUDA_GRAPH_MODULES = "implementation.cuda_graph_modules"
+NAN_CHECKS = "implementation.check_for_nan_in_loss_and_grad"
 
 GIB = 1024**3
 
@@ -139,6 +142,9 @@ class Ctx:
     moe_pad_expert_input_to_capacity: bool = False
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
+    cuda_graph_impl: str = "none"
+    cuda_graph_modules: tuple[str, ...] = ()
+    check_for_nan_in_loss_and_grad: bool = True
     # derived
     etp: int = field(default=0, init=False)
     vp: int = field(default=1, init=False)  # model chunks per stage actually built (1 unless interleaved)
@@ -171,6 +177,7 @@ class Ctx:
             self.kv_channels_given = h % n == 0 or shape.kv_channels != h // n
         if self.recompute_modules is not None:
             self.recompute_modules = tuple(self.recompute_modules)
+        self.cuda_graph_modules = tuple(self.cuda_graph_modules or ())
         self._derive_layout()
         self._derive_stages()
 

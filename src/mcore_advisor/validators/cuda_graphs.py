@@ -1,0 +1,140 @@
+"""CUDA graphs (--cuda-graph-impl, --cuda-graph-modules): what Megatron-LM 0.19 refuses or cannot capture.
+
+The checks are TransformerConfig.__post_init__'s and validate_args' (megatron/core/transformer/transformer_config.py,
+megatron/training/arguments.py), plus one Megatron does not make: a whole layer captured on a dropless MoE model,
+whose token dispatcher reads the tokens per expert back to the host inside the layer (a sync a graph cannot hold).
+"""
+
+from __future__ import annotations
+
+from ._core import (
+    CAPACITY_FACTOR,
+    CUDA_GRAPH_IMPL,
+    CUDA_GRAPH_MODULES,
+    DISPATCHER,
+    NAN_CHECKS,
+    PAD_TO_CAPACITY,
+    Ctx,
+    rule,
+)
+
+AREA = "implementation"
+
+
+def _per_layer(c: Ctx) -> bool:
+    return c.cuda_graph_impl in ("local", "transformer_engine")
+
+
+def _mods(c: Ctx) -> set[str]:
+    mods = set(c.cuda_graph_modules)
+    if c.cuda_graph_impl == "local" and mods & {"moe_router", "moe_preprocess"}:
+        mods |= {"moe_router", "moe_preprocess"}  # the local impl captures both where either is listed
+    return mods
+
+
+def _drop_pad(c: Ctx) -> bool:
+    return c.moe_expert_capacity_factor is not None and c.moe_pad_expert_input_to_capacity
+
+
+@rule(
+    "cuda_graph_full_iteration_modules",
+    "error",
+    AREA,
+    "full_iteration captures everything: no modules",
+    when=lambda c: c.cuda_graph_impl == "full_iteration" and bool(c.cuda_graph_modules),
+)
+def _full_modules(c: Ctx):
+    return ([CUDA_GRAPH_IMPL, CUDA_GRAPH_MODULES], "cuda_graph_modules must be empty with cuda_graph_impl full_iteration",
+            "drop cuda_graph_modules, or use cuda_graph_impl local / transformer_engine to capture parts of each layer")
+
+
+@rule(
+    "cuda_graph_full_iteration_nan_checks",
+    "error",
+    AREA,
+    "a captured iteration cannot read the loss back",
+    when=lambda c: c.cuda_graph_impl == "full_iteration" and c.check_for_nan_in_loss_and_grad,
+)
+def _full_nan(c: Ctx):
+    return ([CUDA_GRAPH_IMPL, NAN_CHECKS],
+            "cuda_graph_impl full_iteration needs --no-check-for-nan-in-loss-and-grad (validate_args asserts it)",
+            "set implementation.check_for_nan_in_loss_and_grad false")
+
+
+@rule(
+    "cuda_graph_moe_modules_dense",
+    "error",
+    AREA,
+    "moe / moe_router graphs need an MoE model",
+    when=lambda c: _per_layer(c) and not c.is_moe and bool(_mods(c) & {"moe", "moe_router", "moe_preprocess"}),
+)
+def _moe_on_dense(c: Ctx):
+    return ([CUDA_GRAPH_MODULES], "moe, moe_router and moe_preprocess graphs are only supported for MoE models",
+            "list attn and/or mlp, or none for the whole layer")
+
+
+@rule(
+    "cuda_graph_mlp_all_moe",
+    "error",
+    AREA,
+    "an mlp graph needs dense layers",
+    when=lambda c: _per_layer(c) and c.is_moe and "mlp" in c.cuda_graph_modules and c.num_moe_layers == c.shape.num_layers,
+)
+def _mlp_all_moe(c: Ctx):
+    return ([CUDA_GRAPH_MODULES], "every layer is MoE, so there is no dense MLP for an 'mlp' graph "
+            "(TransformerConfig asserts it)", "list moe_router and moe_preprocess (dropless) or moe (drop-and-pad) instead")
+
+
+@rule(
+    "cuda_graph_moe_and_router",
+    "error",
+    AREA,
+    "moe and moe_router graphs exclude each other",
+    when=lambda c: _per_layer(c) and c.is_moe and {"moe", "moe_router"} <= _mods(c),
+)
+def _moe_and_router(c: Ctx):
+    return ([CUDA_GRAPH_MODULES], "cuda_graph_modules must not contain both moe and moe_router",
+            "keep moe (drop-and-pad: the whole MoE block) or moe_router + moe_preprocess (dropless)")
+
+
+@rule(
+    "cuda_graph_preprocess_needs_router",
+    "error",
+    AREA,
+    "a moe_preprocess graph needs the moe_router graph",
+    when=lambda c: _per_layer(c) and c.is_moe and "moe_preprocess" in _mods(c) and "moe_router" not in _mods(c),
+)
+def _preprocess_router(c: Ctx):
+    return ([CUDA_GRAPH_MODULES], "moe_preprocess is only captured together with moe_router",
+            "add moe_router to cuda_graph_modules")
+
+
+@rule(
+    "cuda_graph_moe_needs_drop_pad",
+    "error",
+    AREA,
+    "the MoE block in a graph needs fixed expert shapes",
+    when=lambda c: _per_layer(c) and c.is_moe and not _drop_pad(c)
+    and ("moe" in c.cuda_graph_modules or not c.cuda_graph_modules),
+)
+def _moe_drop_pad(c: Ctx):
+    what = "moe in cuda_graph_modules" if c.cuda_graph_modules else "no cuda_graph_modules (the whole layer)"
+    return ([CUDA_GRAPH_MODULES, CAPACITY_FACTOR, PAD_TO_CAPACITY],
+            f"{what} captures the MoE block, whose dropless dispatch reads the tokens per expert back to the host "
+            "(TransformerConfig: 'moe cuda graph is only supported with drop-padding MoE')",
+            "list attn, moe_router and moe_preprocess instead, or set moe_expert_capacity_factor with "
+            "moe_pad_expert_input_to_capacity true")
+
+
+@rule(
+    "cuda_graph_preprocess_with_sync",
+    "error",
+    AREA,
+    "the alltoall dispatcher's preprocess syncs when tokens may drop",
+    when=lambda c: _per_layer(c) and c.is_moe and "moe_preprocess" in _mods(c)
+    and c.moe_token_dispatcher_type == "alltoall" and c.moe_expert_capacity_factor is not None and not _drop_pad(c),
+)
+def _preprocess_sync(c: Ctx):
+    return ([CUDA_GRAPH_MODULES, DISPATCHER, CAPACITY_FACTOR],
+            "moe_preprocess cannot be captured with the alltoall dispatcher and a capacity factor: its preprocess "
+            "copies the dropped counts to the host and syncs", "drop moe_preprocess (keep moe_router), or pad to capacity")
