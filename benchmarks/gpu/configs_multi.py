@@ -778,7 +778,16 @@ def graphs_rows() -> list[tuple[str, Plan, int]]:
             ("Z_q30rank_forced_local_router", q30({**forced, **local, "cuda_graph_modules": ROUTER_GRAPHS}), 1),
             ("Z_llama1b_te_layer", dense(te), 1),
             ("Z_qwen30like_forced_te_router", plan(QWEN30_F, 1, seq=4096, gbs=8, mbs=1, impl={
-                **forced, **te, "cuda_graph_modules": ROUTER_GRAPHS}), 1)]
+                **forced, **te, "cuda_graph_modules": ROUTER_GRAPHS}), 1),
+            # the same lease again, after the rest: how far this machine's steps move between jobs
+            ("Z_q30rank_forced_b", q30(forced), 1),
+            ("Z_q30rank_forced_te_router_b", q30({**forced, **te, "cuda_graph_modules": ROUTER_GRAPHS}), 1),
+            ("Z_llama1b_b", dense({}), 1),
+            # a second lease: which half of the dense layer's host the attention graph leaves (s16: it removed a third)
+            ("Z_llama1b_te_mlp", dense({**te, "cuda_graph_modules": ["mlp"]}), 1),
+            ("Z_llama1b_c", dense({}), 1),
+            ("Z_llama1b_te_attn_b", dense({**te, "cuda_graph_modules": ["attn"]}), 1),
+            ("Z_llama1b_local_attn", dense({**local, "cuda_graph_modules": ["attn"]}), 1)]
 
 
 def graphs_spec_lines() -> list[dict]:
