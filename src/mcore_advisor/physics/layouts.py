@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from mcore_advisor.knowledge.cuda_graphs import captured_parts
 from mcore_advisor.schemas import ImplementationSpec, ModelShape, Plan, layers_per_stage, parallel_dims
 
 # recompute codes of LayoutBatch.recompute
@@ -95,15 +96,8 @@ class Implementation:
 
     @property
     def graphed(self) -> frozenset[str]:
-        """The layer parts a CUDA graph captures: --cuda-graph-modules under 'local' or 'transformer_engine'
-        (none listed = the whole layer: Megatron's default 'full' scope), everything under 'full_iteration';
-        empty without graphs. 'attn' and 'mlp' name a dense layer's halves, 'moe_router' / 'moe_preprocess' /
-        'moe' an MoE layer's parts (physics.moe.host_pieces)."""
-        if self.cuda_graph_impl == "none":
-            return frozenset()
-        if self.cuda_graph_impl == "full_iteration" or not self.cuda_graph_modules:
-            return frozenset({"attn", "mlp", "moe"})
-        return frozenset(self.cuda_graph_modules)
+        """The layer parts CUDA graphs capture (knowledge.cuda_graphs.captured_parts)."""
+        return captured_parts(self.cuda_graph_impl, self.cuda_graph_modules)
 
     @property
     def unfused_attention(self) -> bool:

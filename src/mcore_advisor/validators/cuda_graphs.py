@@ -2,10 +2,13 @@
 
 The checks are TransformerConfig.__post_init__'s and validate_args' (megatron/core/transformer/transformer_config.py,
 megatron/training/arguments.py), plus one Megatron does not make: a whole layer captured on a dropless MoE model,
-whose token dispatcher reads the tokens per expert back to the host inside the layer (a sync a graph cannot hold).
+whose token dispatcher reads the tokens per expert back to the host inside the layer (a sync a graph cannot hold), and
+the local implementation's 'attn' on such a model, which captures the whole layer (knowledge.cuda_graphs).
 """
 
 from __future__ import annotations
+
+from mcore_advisor.knowledge.cuda_graphs import captured_parts
 
 from ._core import (
     CAPACITY_FACTOR,
@@ -26,9 +29,10 @@ def _per_layer(c: Ctx) -> bool:
 
 
 def _mods(c: Ctx) -> set[str]:
+    """The modules as Megatron reads the list (the local impl adds moe_router and moe_preprocess to each other)."""
     mods = set(c.cuda_graph_modules)
     if c.cuda_graph_impl == "local" and mods & {"moe_router", "moe_preprocess"}:
-        mods |= {"moe_router", "moe_preprocess"}  # the local impl captures both where either is listed
+        mods |= {"moe_router", "moe_preprocess"}
     return mods
 
 
@@ -115,15 +119,23 @@ def _preprocess_router(c: Ctx):
     AREA,
     "the MoE block in a graph needs fixed expert shapes",
     when=lambda c: _per_layer(c) and c.is_moe and not _drop_pad(c)
-    and ("moe" in c.cuda_graph_modules or not c.cuda_graph_modules),
+    and "moe" in captured_parts(c.cuda_graph_impl, c.cuda_graph_modules),
 )
 def _moe_drop_pad(c: Ctx):
+    fields = [CUDA_GRAPH_MODULES, CAPACITY_FACTOR, PAD_TO_CAPACITY]
+    pad = "or set moe_expert_capacity_factor with moe_pad_expert_input_to_capacity true"
+    if c.cuda_graph_impl == "local" and set(c.cuda_graph_modules) & {"attn", "mlp"}:
+        return ([CUDA_GRAPH_IMPL, *fields],
+                "cuda_graph_impl local gives a layer listed for attn or mlp one graph of its whole forward "
+                "(TransformerLayer.create_mcore_cudagraph_manager), MoE block included, whose dropless dispatch reads the "
+                "tokens per expert back to the host: the capture fails (measured on one H100, Megatron-Core 0.19.2: "
+                "cudaErrorCapturedEvent in the token dispatcher's _maybe_dtoh_and_synchronize)",
+                f"use cuda_graph_impl transformer_engine with attn, moe_router and moe_preprocess, {pad}")
     what = "moe in cuda_graph_modules" if c.cuda_graph_modules else "no cuda_graph_modules (the whole layer)"
-    return ([CUDA_GRAPH_MODULES, CAPACITY_FACTOR, PAD_TO_CAPACITY],
+    return (fields,
             f"{what} captures the MoE block, whose dropless dispatch reads the tokens per expert back to the host "
             "(TransformerConfig: 'moe cuda graph is only supported with drop-padding MoE')",
-            "list attn, moe_router and moe_preprocess instead, or set moe_expert_capacity_factor with "
-            "moe_pad_expert_input_to_capacity true")
+            f"list attn, moe_router and moe_preprocess instead, {pad}")
 
 
 @rule(
