@@ -119,3 +119,29 @@ def test_the_all_to_all_overlap_is_offered_where_megatron_accepts_it_and_pays_on
     one_ep = with_changes(moe, "parallelism", expert_model_parallel_size=1)
     for p in (plain_pp, full, one_ep):
         assert overlap not in [ch.fields for ch in changes(p, "speed")]
+
+
+def test_cuda_graphs_are_offered_as_megatron_accepts_them_and_win_on_a_host_bound_step():
+    from mcore_advisor.physics.step_time import step_time
+    from mcore_advisor.schemas import with_changes
+
+    # the Z set's host-bound dense model on one H100 (benchmarks/results/gpu_h100_Z_runs.jsonl: 1.61-1.93 s eager,
+    # 0.49 s with the layer graphed)
+    dense = Plan(model={"num_layers": 16, "hidden_size": 2048, "num_attention_heads": 16, "num_query_groups": 4,
+                        "ffn_hidden_size": 5632, "vocab_size": 32000, "swiglu": True, "normalization": "RMSNorm",
+                        "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
+                        "position_embedding_type": "rope"},
+                 cluster={"gpu": "h100-sxm", "num_gpus": 1}, training={"seq_length": 2048, "global_batch_size": 16})
+    graphs = next(ch for ch in plan_changes(dense, "speed") if ch.fields[0] == "implementation.cuda_graph_impl")
+    assert graphs.plan.implementation.cuda_graph_impl == "transformer_engine"
+    assert graphs.plan.implementation.cuda_graph_modules is None  # the whole layer
+    assert step_time(graphs.plan).iteration_time_s < 0.5 * step_time(dense).iteration_time_s
+    # a dropless MoE model gets the router graphs (the whole layer would hold the dispatcher's host sync)
+    moe = Plan(model={"name": "qwen3-30b-a3b"}, cluster={"gpu": "h100-sxm", "num_gpus": 8},
+               training={"seq_length": 4096, "global_batch_size": 64}, parallelism={"expert_model_parallel_size": 8})
+    g = next(ch for ch in plan_changes(moe, "speed") if ch.fields[0] == "implementation.cuda_graph_impl")
+    assert g.plan.implementation.cuda_graph_modules == ["attn", "moe_router", "moe_preprocess"]
+    assert not errors(validate(g.plan))
+    # none for a plan with graphs already, or without Transformer Engine
+    for done in (g.plan, with_changes(dense, "implementation", transformer_impl="local")):
+        assert "implementation.cuda_graph_impl" not in [ch.fields[0] for ch in plan_changes(done, "speed")]

@@ -106,7 +106,7 @@ def plan_changes(plan: Plan, purpose: Purpose) -> list[PlanChange]:
     c = _Ctx(plan, resolve_model(plan.model), parallel_dims(plan), hardware_params(plan.cluster).gpus_per_node)
     seen: set[str] = set()
     out = []
-    for gen in (_allocator_and_kernels, _recompute, _batch_and_pipeline, _tensor_parallel, _data_parallel,
+    for gen in (_allocator_and_kernels, _cuda_graphs, _recompute, _batch_and_pipeline, _tensor_parallel, _data_parallel,
                 _context_and_experts, _precision):
         for ch in gen(c, purpose):
             key = ch.plan.model_dump_json() if ch is not None else None
@@ -137,6 +137,23 @@ def _allocator_and_kernels(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | N
         yield _change(c, impl, "Megatron's own linear layers need Apex's fused_weight_gradient_mlp_cuda (NGC images "
                       "ship it); Transformer Engine layers accumulate into main_grad natively",
                       gradient_accumulation_fusion=True)
+
+
+def _cuda_graphs(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
+    """Transformer Engine's CUDA graphs (Megatron-Bridge's choice): the whole layer, or on a dropless MoE model the
+    attention, router and preprocess (the experts' dispatch reads token counts back to the host, which a graph cannot
+    hold). On one H100 the whole layer took a host-bound 0.85B Llama-style step from 1.61-1.93 s to 0.49 s
+    (benchmarks/results/gpu_h100_Z_runs.jsonl)."""
+    im = c.plan.implementation
+    if purpose != "speed" or im.cuda_graph_impl != "none" or im.transformer_impl != "transformer_engine":
+        return
+    drop_pad = im.moe_expert_capacity_factor is not None and im.moe_pad_expert_input_to_capacity
+    mods = ["attn", "moe_router", "moe_preprocess"] if c.shape.is_moe and not drop_pad else []
+    what = "the attention, router and preprocess" if mods else "each layer"
+    yield _accepted_by_megatron(_change(
+        c, "implementation", f"CUDA graphs of {what}: the captured kernels replay from one launch, so a host that "
+        "launches slower than the GPU runs stops holding it back; the graphs' pools take some memory",
+        cuda_graph_impl="transformer_engine", cuda_graph_modules=mods or None), "implementation.cuda_graph_modules")
 
 
 def _recompute(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
