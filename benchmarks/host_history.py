@@ -54,6 +54,24 @@ def _without_one(values: list[float], x: float) -> list[float]:
     return out
 
 
+def _error_against_probe(rows: list[dict]) -> list[str]:
+    """How the step error (the machine's earlier probes pooled) moves with the probe figure the row is predicted on: a
+    host cost that scales with the probe as the model says leaves no slope; a part that does not track the probe leaves
+    the rows on slow readings predicted slow and the rows on fast ones fast."""
+    name = "with the machine's earlier probes"
+    out = ["", f"step error against the host figure it is predicted on ({name}): least-squares slope and correlation"]
+    for label, sel in (("one GPU, MoE", lambda r: r["nproc"] == 1 and r["moe"]), ("one GPU, dense", lambda r: r["nproc"] == 1 and not r["moe"]),
+                       ("several GPUs, MoE", lambda r: r["nproc"] > 1 and r["moe"]), ("several GPUs, dense", lambda r: r["nproc"] > 1 and not r["moe"])):
+        pts = [(statistics.median([te_probe_ms(r["result"]), *r["machine_probes_ms"]]), r["errs"][name]) for r in rows if sel(r)]
+        if len(pts) < 3:
+            continue
+        x, y = zip(*pts, strict=True)
+        slope = statistics.linear_regression(x, y).slope
+        out.append(f"  {label:22s} n={len(pts):3d}  {slope:+5.1f} points per ms  r = {statistics.correlation(x, y):+.2f}  "
+                   f"(probes {min(x):.1f}-{max(x):.1f} ms)")
+    return out
+
+
 def main() -> None:
     rows = probed_rows()
     whole = defaultdict(list)
@@ -77,6 +95,7 @@ def main() -> None:
             e = [abs(r["errs"][name]) for r in rows if sel(r)]
             cells.append(f"{statistics.median(e):5.1f}% {sum(x > 20 for x in e):3d}/{len(e):<3d}")
         lines.append(f"{name:36s}" + "".join(f"{c:>22s}" for c in cells))
+    lines += _error_against_probe(rows)
     lines += ["", "per row (step error %, same order as above; probe ms and the earlier probes of its machine)"]
     for r in rows:
         errs = " ".join(f"{v:+6.1f}" for v in r["errs"].values())
