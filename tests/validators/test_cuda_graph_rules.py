@@ -114,3 +114,39 @@ def test_megatrons_transformer_config_refuses_what_the_validators_refuse(kit, im
         assert ours <= OURS_ONLY, f"Megatron accepts {kw}; the validators refused {ours}"
         # ours alone: a dropless MoE block inside the graph (the whole layer, or the local impl's attn)
         assert not ours or (moe and pad != "pad" and "moe" in captured_parts(impl, mods))
+
+
+RECOMPUTE_CASES = [  # (parallelism, training, implementation) beside TransformerConfig's own verdict
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}, {},
+     {"cuda_graph_impl": "transformer_engine", **DROP_PAD}, "cuda_graph_full_recompute"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, {},
+     {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ROUTER}, "cuda_graph_moe_recompute_router"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}, {"attention_dropout": 0.1},
+     {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ["attn", "moe_router"]}, "cuda_graph_recompute_dropout"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, {"hidden_dropout": 0.1},
+     {"cuda_graph_impl": "local", **DROP_PAD}, "cuda_graph_recompute_dropout"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe_act"]}, {"hidden_dropout": 0.1},
+     {"cuda_graph_impl": "transformer_engine", "cuda_graph_modules": ROUTER}, None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("par", "train", "impl", "code"), RECOMPUTE_CASES)
+def test_recompute_under_graphs_as_megatron_judges_it(kit, par, train, impl, code):
+    tc = pytest.importorskip("megatron.core.transformer.transformer_config")
+    plan = kit.plan(model=kit.MIXTRAL, parallelism={"pipeline_model_parallel_size": 1, "expert_model_parallel_size": 8, **par},
+                    training=train, implementation={"moe_token_dispatcher_type": "alltoall", **impl})
+    ours = _graph_errors(plan)
+    assert ours == ([code] if code else [])
+    kw = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_moe_experts": 8, "moe_router_topk": 2,
+          "moe_ffn_hidden_size": 64, "moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": True,
+          "attention_dropout": 0.0, "hidden_dropout": 0.0,
+          **{k: v for k, v in {**par, **train, **impl}.items() if k != "recompute_num_layers" or par.get("recompute_method")}}
+    kw["recompute_num_layers"] = par.get("recompute_num_layers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if code:
+            with pytest.raises((AssertionError, ValueError)):
+                tc.TransformerConfig(**kw)
+        else:
+            tc.TransformerConfig(**kw)

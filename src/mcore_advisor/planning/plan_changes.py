@@ -150,10 +150,12 @@ def _cuda_graphs(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
     drop_pad = im.moe_expert_capacity_factor is not None and im.moe_pad_expert_input_to_capacity
     mods = ["attn", "moe_router", "moe_preprocess"] if c.shape.is_moe and not drop_pad else []
     what = "the attention, router and preprocess" if mods else "each layer"
-    yield _accepted_by_megatron(_change(
-        c, "implementation", f"CUDA graphs of {what}: the captured kernels replay from one launch, so a host that "
-        "launches slower than the GPU runs stops holding it back; the graphs' pools take some memory",
-        cuda_graph_impl="transformer_engine", cuda_graph_modules=mods or None), "implementation.cuda_graph_modules")
+    ch = _change(c, "implementation", f"CUDA graphs of {what}: the captured kernels replay from one launch, so a host "
+                 "that launches slower than the GPU runs stops holding it back; the graphs' pools take some memory",
+                 cuda_graph_impl="transformer_engine", cuda_graph_modules=mods or None)
+    # Megatron's CUDA-graph asserts (full recompute, recompute under dropout, ...) refuse some plans: no offer there
+    if ch is not None and not any(f.code.startswith("cuda_graph") for f in errors(validate(ch.plan))):
+        yield ch
 
 
 def _recompute(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:

@@ -83,6 +83,7 @@ def _ctx_from_plan(plan: Plan) -> Ctx:
         overlap_moe_expert_parallel_comm=im.overlap_moe_expert_parallel_comm, delay_wgrad_compute=im.delay_wgrad_compute,
         cuda_graph_impl=im.cuda_graph_impl, cuda_graph_modules=tuple(im.cuda_graph_modules or ()),
         check_for_nan_in_loss_and_grad=im.check_for_nan_in_loss_and_grad,
+        attention_dropout=tr.attention_dropout, hidden_dropout=tr.hidden_dropout,
     )
 
 

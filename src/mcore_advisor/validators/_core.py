@@ -145,6 +145,8 @@ class Ctx:
     cuda_graph_impl: str = "none"
     cuda_graph_modules: tuple[str, ...] = ()
     check_for_nan_in_loss_and_grad: bool = True
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
     # derived
     etp: int = field(default=0, init=False)
     vp: int = field(default=1, init=False)  # model chunks per stage actually built (1 unless interleaved)

@@ -17,9 +17,12 @@ from ._core import (
     DISPATCHER,
     NAN_CHECKS,
     PAD_TO_CAPACITY,
+    RECOMPUTE_GRANULARITY,
+    RECOMPUTE_MODULES,
     Ctx,
     rule,
 )
+from .recompute import selective_modules
 
 AREA = "implementation"
 
@@ -150,3 +153,64 @@ def _preprocess_sync(c: Ctx):
     return ([CUDA_GRAPH_MODULES, DISPATCHER, CAPACITY_FACTOR],
             "moe_preprocess cannot be captured with the alltoall dispatcher and a capacity factor: its preprocess "
             "copies the dropped counts to the host and syncs", "drop moe_preprocess (keep moe_router), or pad to capacity")
+
+
+def _whole(c: Ctx) -> bool:
+    """TransformerConfig's full_cudagraph: full_iteration, or a per-layer impl with no modules listed."""
+    return c.cuda_graph_impl == "full_iteration" or (_per_layer(c) and not c.cuda_graph_modules)
+
+
+@rule(
+    "cuda_graph_full_recompute",
+    "error",
+    AREA,
+    "per-layer CUDA graphs cannot recompute whole layers",
+    when=lambda c: _per_layer(c) and c.recompute_granularity == "full",
+)
+def _full_recompute(c: Ctx):
+    return ([CUDA_GRAPH_IMPL, RECOMPUTE_GRANULARITY],
+            "full recompute is only supported with full iteration CUDA graph (TransformerConfig asserts it)",
+            "use selective recompute, or cuda_graph_impl full_iteration, or no CUDA graphs")
+
+
+@rule(
+    "cuda_graph_moe_recompute_router",
+    "error",
+    AREA,
+    "recomputing the MoE block would cover the router's graph",
+    when=lambda c: c.cuda_graph_impl == "transformer_engine" and c.recompute_granularity == "selective"
+    and "moe" in selective_modules(c) and "moe_router" in c.cuda_graph_modules,
+)
+def _moe_recompute_router(c: Ctx):
+    return ([RECOMPUTE_MODULES, CUDA_GRAPH_MODULES],
+            "moe recompute is not supported with moe_router CUDA graph with --cuda-graph-impl transformer_engine "
+            "(TransformerConfig asserts it: a recomputed module must lie inside or outside a graph, not cover one)",
+            "recompute moe_act (or shared_experts, layernorm) instead of moe")
+
+
+def _graphed_recompute_with_dropout(c: Ctx) -> list[str]:
+    """The selective modules Megatron refuses to recompute inside a graph with dropout on (graphed recompute cannot draw
+    random numbers): core_attn under attention dropout, mlp / moe under hidden dropout."""
+    if c.cuda_graph_impl == "none" or c.recompute_granularity != "selective":
+        return []
+    mods, whole, listed = selective_modules(c), _whole(c), set(c.cuda_graph_modules)
+    out = []
+    if c.attention_dropout and "core_attn" in mods and (whole or "attn" in listed):
+        out.append("core_attn")
+    out += [m for m in ("mlp", "moe") if c.hidden_dropout and m in mods and (whole or m in listed)]
+    return out
+
+
+@rule(
+    "cuda_graph_recompute_dropout",
+    "error",
+    AREA,
+    "a graphed recompute cannot redraw its dropout",
+    when=lambda c: bool(_graphed_recompute_with_dropout(c)),
+)
+def _recompute_dropout(c: Ctx):
+    mods = _graphed_recompute_with_dropout(c)
+    return ([RECOMPUTE_MODULES, CUDA_GRAPH_MODULES, "training.attention_dropout", "training.hidden_dropout"],
+            f"recomputing {', '.join(mods)} inside a CUDA graph with dropout on: graphed recomputation cannot draw new "
+            "random numbers (TransformerConfig: 'dropout is not supported with graphed ... recomputation')",
+            f"drop {', '.join(mods)} from recompute_modules, or set the dropout to 0, or leave that part out of the graph")

@@ -34,7 +34,7 @@ def _selective(c: Ctx) -> bool:
     return c.recompute_granularity == "selective"
 
 
-def _modules(c: Ctx) -> tuple[str, ...]:
+def selective_modules(c: Ctx) -> tuple[str, ...]:
     # TransformerConfig.__post_init__: recompute_modules None -> ["core_attn"].
     return c.recompute_modules if c.recompute_modules is not None else ("core_attn",)
 
@@ -205,7 +205,7 @@ def _block(c: Ctx):
     "error",
     AREA,
     "mla_up_proj recompute needs MLA",
-    when=lambda c: _selective(c) and "mla_up_proj" in _modules(c) and not c.shape.multi_latent_attention,
+    when=lambda c: _selective(c) and "mla_up_proj" in selective_modules(c) and not c.shape.multi_latent_attention,
 )
 def _mla_up(c: Ctx):
     # TransformerConfig.__post_init__ raises this message.
@@ -221,7 +221,7 @@ def _mla_up(c: Ctx):
     "error",
     AREA,
     "moe_act recompute needs grouped GEMM",
-    when=lambda c: _selective(c) and "moe_act" in _modules(c) and not c.moe_grouped_gemm,
+    when=lambda c: _selective(c) and "moe_act" in selective_modules(c) and not c.moe_grouped_gemm,
 )
 def _moe_act(c: Ctx):
     # TransformerConfig.__post_init__ raises this message.
@@ -237,10 +237,10 @@ def _moe_act(c: Ctx):
     "warning",
     AREA,
     "MoE recompute modules on a dense model",
-    when=lambda c: _selective(c) and not c.is_moe and any(m in _modules(c) for m in _MOE_MODULES),
+    when=lambda c: _selective(c) and not c.is_moe and any(m in selective_modules(c) for m in _MOE_MODULES),
 )
 def _moe_dense(c: Ctx):
-    present = [m for m in _MOE_MODULES if m in _modules(c)]
+    present = [m for m in _MOE_MODULES if m in selective_modules(c)]
     return (
         [RECOMPUTE_MODULES],
         f"recompute_modules {present} do nothing on a dense model (no MoE layers)",
@@ -257,7 +257,7 @@ def _moe_dense(c: Ctx):
         _selective(c)
         and c.precision == "fp8"
         and c.fp8_recipe == "delayed"
-        and any(m in _modules(c) for m in ("moe_act", "layernorm"))
+        and any(m in selective_modules(c) for m in ("moe_act", "layernorm"))
     ),
 )
 def _fp8_delayed(c: Ctx):
@@ -276,7 +276,7 @@ def _fp8_delayed(c: Ctx):
     "core_attn recompute buys little with fused attention",
     when=lambda c: (
         _selective(c)
-        and "core_attn" in _modules(c)
+        and "core_attn" in selective_modules(c)
         and c.transformer_impl == "transformer_engine"
         and c.attention_backend in ("auto", "flash", "fused")
     ),
@@ -318,7 +318,7 @@ def _mtp_block(c: Ctx):
     AREA,
     "gdn_norm_out recompute needs Gated DeltaNet attention",
     # This tool models no experimental_attention_variant, so no plan has Gated DeltaNet layers.
-    when=lambda c: _selective(c) and "gdn_norm_out" in _modules(c),
+    when=lambda c: _selective(c) and "gdn_norm_out" in selective_modules(c),
 )
 def _gdn(c: Ctx):
     # TransformerConfig.__post_init__ raises this message.
