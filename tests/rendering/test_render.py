@@ -244,6 +244,19 @@ def test_expandable_segments_are_turned_on_when_the_memory_estimate_leaves_under
     assert _env(_render(), "PYTORCH_CUDA_ALLOC_CONF").value == "expandable_segments:True"  # plan asks
 
 
+def test_te_cuda_graphs_beside_expandable_segments_turn_off_nccl_graph_registration():
+    def graphs(impl: str) -> Plan:
+        return DENSE.model_copy(update={"implementation": DENSE.implementation.model_copy(update={"cuda_graph_impl": impl})})
+
+    art = _render(graphs("transformer_engine"), allow_invalid=True)
+    assert _env(art, "PYTORCH_CUDA_ALLOC_CONF").value == "expandable_segments:True"
+    # Megatron's validate_args asserts NCCL_GRAPH_REGISTER=0 there (NCCL's graph registration: illegal memory access)
+    assert _env(art, "NCCL_GRAPH_REGISTER").value == "0"
+    assert _flag_values(art.megatron_args, "--cuda-graph-impl") == ["transformer_engine"]
+    assert _env(_render(graphs("local"), allow_invalid=True), "NCCL_GRAPH_REGISTER") is None
+    assert _env(_render(), "NCCL_GRAPH_REGISTER") is None
+
+
 def _header_figures(perf, mem) -> list[str]:
     return [f"step time {perf.iteration_time_s:.3f} s", f"{perf.tokens_per_s_per_gpu:,.0f} tokens/s/GPU",
             f"{perf.model_tflops_per_gpu_causal:.1f} TFLOP/s/GPU", f"MFU {perf.mfu_bf16_causal_pct:.1f}%",
