@@ -571,14 +571,23 @@ def dispatcher_kernels(c) -> tuple:
     return local, (coll[0] * peers, coll[1] * peers)
 
 
+def dense_halves(d: dict) -> dict:
+    """{'attn': (forward, backward), 'mlp': (forward, backward)} launches of a dense layer's halves: the MLP its
+    DENSE_MLP_HOST_SHARE of a layer without query and key norms, the attention the rest (those norms included)."""
+    halves = {"attn": [], "mlp": []}
+    for i, key in enumerate(("kernels_f", "kernels_b")):
+        qk = d[("qk_norm_kernels_f", "qk_norm_kernels_b")[i]]
+        mlp = DENSE_MLP_HOST_SHARE[i] * (d[key] - qk)
+        halves["attn"].append(d[key] - mlp)
+        halves["mlp"].append(mlp)
+    return {name: tuple(v) for name, v in halves.items()}
+
+
 def attention_part_kernels(L) -> tuple:
-    """(forward, backward) launches of an MoE layer outside its MoE block: a dense layer's less its MLP
-    (DENSE_MLP_HOST_SHARE, of a layer without query and key norms) plus the separate pre-MLP norm
-    (NORM_OP_HOST_KERNELS) and the query and key norms where the model has them."""
-    (share_f, share_b), (norm_f, norm_b) = DENSE_MLP_HOST_SHARE, NORM_OP_HOST_KERNELS
-    qk_f, qk_b = L.dense["qk_norm_kernels_f"], L.dense["qk_norm_kernels_b"]
-    return ((1.0 - share_f) * (L.dense["kernels_f"] - qk_f) + qk_f + norm_f,
-            (1.0 - share_b) * (L.dense["kernels_b"] - qk_b) + qk_b + norm_b)
+    """(forward, backward) launches of an MoE layer outside its MoE block: a dense layer's attention half
+    (dense_halves) plus the separate pre-MLP norm (NORM_OP_HOST_KERNELS)."""
+    (a_f, a_b), (norm_f, norm_b) = dense_halves(L.dense)["attn"], NORM_OP_HOST_KERNELS
+    return a_f + norm_f, a_b + norm_b
 
 
 def host_pieces(c, L, parts: dict) -> list:

@@ -103,11 +103,11 @@ from mcore_advisor.physics.memory import (
     stage_table,
 )
 from mcore_advisor.physics.moe import (
-    DENSE_MLP_HOST_SHARE,
     GRAPHED_LAUNCHES,
     HEURISTIC_QUERY_REF_LAYERS,
     NORM_OP_HOST_KERNELS,
     MoeKit,
+    dense_halves,
     dominant_part,
     host_syncs_per_layer,
     moe_layer,
@@ -1253,18 +1253,14 @@ def _average_layer(c: _Ctx, L: _Layers, moe: dict | None) -> _LayerAverage:
 
 
 def _graphed_dense(c: _Ctx, d: dict) -> dict:
-    """The dense layer with the launches the host pays under CUDA graphs: its attention half (the query and key
-    norms with it) and its MLP half (DENSE_MLP_HOST_SHARE) each one replay (GRAPHED_LAUNCHES) where captured."""
+    """The dense layer with the launches the host pays under CUDA graphs: each captured half (moe.dense_halves) one
+    replay (GRAPHED_LAUNCHES) instead of its launches."""
     captured = c.impl.graphed & {"attn", "mlp"}
     if not captured:
         return d
-    out = dict(d)
-    for i, key in enumerate(("kernels_f", "kernels_b")):
-        qk = d[("qk_norm_kernels_f", "qk_norm_kernels_b")[i]]
-        mlp = DENSE_MLP_HOST_SHARE[i] * (d[key] - qk)
-        halves = {"attn": d[key] - mlp, "mlp": mlp}
-        out[key] = d[key] - sum(halves[name] - GRAPHED_LAUNCHES for name in captured)
-    return out
+    halves = dense_halves(d)
+    return {**d, **{key: d[key] - sum(halves[name][i] - GRAPHED_LAUNCHES for name in captured)
+                    for i, key in enumerate(("kernels_f", "kernels_b"))}}
 
 
 def _layer_kernels(c: _Ctx, p: dict) -> tuple:
