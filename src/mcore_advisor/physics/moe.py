@@ -596,7 +596,7 @@ def host_pieces(c, L, parts: dict) -> list:
     ('moe_preprocess'), the dispatcher's collectives + routed experts ('moe' only)."""
     r, ex = parts["router"]["kernels"], parts["experts"]["kernels"]
     mlp = parts["shared"]["mlp_calls"]
-    sh_f, sh_b = mlp * DENSE_MLP_HOST_SHARE[0] * L.dense["kernels_f"], mlp * DENSE_MLP_HOST_SHARE[1] * L.dense["kernels_b"]
+    sh_f, sh_b = (mlp * k for k in dense_halves(L.dense)["mlp"])
     pm = parts["permute"]["kernels"]
     local, coll = dispatcher_kernels(c)
     return [(("attn",), attention_part_kernels(L)),
