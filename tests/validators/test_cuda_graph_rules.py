@@ -150,3 +150,9 @@ def test_recompute_under_graphs_as_megatron_judges_it(kit, par, train, impl, cod
                 tc.TransformerConfig(**kw)
         else:
             tc.TransformerConfig(**kw)
+
+
+def test_every_graphed_plan_is_told_its_memory_estimate_leaves_out_the_graph_pools(kit):
+    f = kit.one(_dense(kit, cuda_graph_impl="local"), "cuda_graph_memory_pools")
+    assert f.severity == "info" and "0.07-2.86 GiB" in f.message and "headroom" in f.fix
+    assert "cuda_graph_memory_pools" not in kit.codes(_dense(kit))
