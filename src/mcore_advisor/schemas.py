@@ -217,6 +217,12 @@ MAMBA_CONV_KERNEL = 4
 
 # The Mamba-2 widths below take a ModelShape or any object with its mamba_* fields (physics.anatomy's
 # view of the profile job's JSON model), hence functions; ModelShape.mamba_d_inner is the first.
+def pads_to_capacity(capacity_factor: float | None, pad: bool) -> bool:
+    """--moe-pad-expert-input-to-capacity takes effect (drop-and-pad: every expert gets exactly its capacity, fixed
+    shapes, no host sync): it needs --moe-expert-capacity-factor (the validators refuse it alone)."""
+    return pad and capacity_factor is not None
+
+
 def mamba_d_inner(shape: Any) -> int:
     """Mamba-2 inner width: heads x head dim (MambaMixer d_inner)."""
     return shape.mamba_num_heads * shape.mamba_head_dim

@@ -8,6 +8,15 @@ from collections.abc import Iterable
 WHOLE_LAYER = frozenset({"attn", "mlp", "moe"})
 
 
+def listed_modules(impl: str, modules: Iterable[str] | None) -> frozenset[str]:
+    """--cuda-graph-modules as Megatron reads the list: the local implementation captures moe_router and
+    moe_preprocess together where either is listed (TransformerConfig.__post_init__ adds the other)."""
+    mods = frozenset(modules or ())
+    if impl == "local" and mods & {"moe_router", "moe_preprocess"}:
+        mods |= {"moe_router", "moe_preprocess"}
+    return mods
+
+
 def captured_parts(impl: str, modules: Iterable[str] | None) -> frozenset[str]:
     """The layer parts a CUDA graph captures: the listed modules under 'local' or 'transformer_engine' (none listed = the
     whole layer: Megatron's default 'full' scope), everything under 'full_iteration', nothing under 'none'. 'attn' and
@@ -19,9 +28,7 @@ def captured_parts(impl: str, modules: Iterable[str] | None) -> frozenset[str]:
     1.107-1.128 s; a dropless MoE layer so listed failed to capture (its dispatcher's host sync)."""
     if impl == "none":
         return frozenset()
-    mods = frozenset(modules or ())
+    mods = listed_modules(impl, modules)
     if impl == "full_iteration" or not mods or (impl == "local" and mods & {"attn", "mlp"}):
         return WHOLE_LAYER
-    if impl == "local" and mods & {"moe_router", "moe_preprocess"}:
-        mods |= {"moe_router", "moe_preprocess"}  # the local impl captures both where either is listed
     return mods

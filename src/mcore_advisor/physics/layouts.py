@@ -18,7 +18,14 @@ from typing import Any, Literal
 import numpy as np
 
 from mcore_advisor.knowledge.cuda_graphs import captured_parts
-from mcore_advisor.schemas import ImplementationSpec, ModelShape, Plan, layers_per_stage, parallel_dims
+from mcore_advisor.schemas import (
+    ImplementationSpec,
+    ModelShape,
+    Plan,
+    layers_per_stage,
+    pads_to_capacity,
+    parallel_dims,
+)
 
 # recompute codes of LayoutBatch.recompute
 RECOMPUTE_NONE, RECOMPUTE_SELECTIVE, RECOMPUTE_FULL = 0, 1, 2
@@ -91,8 +98,8 @@ class Implementation:
 
     @property
     def pads_to_capacity(self) -> bool:
-        """--moe-pad-expert-input-to-capacity takes effect: it needs a capacity factor (the validators refuse it alone)."""
-        return self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is not None
+        """--moe-pad-expert-input-to-capacity takes effect (schemas.pads_to_capacity)."""
+        return pads_to_capacity(self.moe_expert_capacity_factor, self.moe_pad_expert_input_to_capacity)
 
     @property
     def graphed(self) -> frozenset[str]:

@@ -22,7 +22,14 @@ from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.memory import MemoryBreakdown, memory_breakdown
 from mcore_advisor.physics.moe import CUBLASLT_CACHE_FIX
 from mcore_advisor.physics.step_time import hardware_params
-from mcore_advisor.schemas import ModelShape, ParallelDims, Plan, parallel_dims, with_changes
+from mcore_advisor.schemas import (
+    ModelShape,
+    ParallelDims,
+    Plan,
+    pads_to_capacity,
+    parallel_dims,
+    with_changes,
+)
 from mcore_advisor.validators import errors, validate
 from mcore_advisor.validators._core import EP_OVERLAP
 
@@ -147,7 +154,7 @@ def _cuda_graphs(c: _Ctx, purpose: Purpose) -> Iterator[PlanChange | None]:
     im = c.plan.implementation
     if purpose != "speed" or im.cuda_graph_impl != "none" or im.transformer_impl != "transformer_engine":
         return
-    drop_pad = im.moe_expert_capacity_factor is not None and im.moe_pad_expert_input_to_capacity
+    drop_pad = pads_to_capacity(im.moe_expert_capacity_factor, im.moe_pad_expert_input_to_capacity)
     mods = ["attn", "moe_router", "moe_preprocess"] if c.shape.is_moe and not drop_pad else []
     what = "the attention, router and preprocess" if mods else "each layer"
     ch = _change(c, "implementation", f"CUDA graphs of {what}: the captured kernels replay from one launch, so a host "

@@ -8,7 +8,8 @@ the local implementation's 'attn' on such a model, which captures the whole laye
 
 from __future__ import annotations
 
-from mcore_advisor.knowledge.cuda_graphs import captured_parts
+from mcore_advisor.knowledge.cuda_graphs import captured_parts, listed_modules
+from mcore_advisor.schemas import pads_to_capacity
 
 from ._core import (
     CAPACITY_FACTOR,
@@ -31,16 +32,12 @@ def _per_layer(c: Ctx) -> bool:
     return c.cuda_graph_impl in ("local", "transformer_engine")
 
 
-def _mods(c: Ctx) -> set[str]:
-    """The modules as Megatron reads the list (the local impl adds moe_router and moe_preprocess to each other)."""
-    mods = set(c.cuda_graph_modules)
-    if c.cuda_graph_impl == "local" and mods & {"moe_router", "moe_preprocess"}:
-        mods |= {"moe_router", "moe_preprocess"}
-    return mods
+def _mods(c: Ctx) -> frozenset[str]:
+    return listed_modules(c.cuda_graph_impl, c.cuda_graph_modules)
 
 
 def _drop_pad(c: Ctx) -> bool:
-    return c.moe_expert_capacity_factor is not None and c.moe_pad_expert_input_to_capacity
+    return pads_to_capacity(c.moe_expert_capacity_factor, c.moe_pad_expert_input_to_capacity)
 
 
 @rule(
