@@ -794,11 +794,57 @@ def graphs_spec_lines() -> list[dict]:
     return [_line(name, p, n, RUN_Z, te=True) for name, p, n in graphs_rows()]
 
 
+#: the O set (session s17, issue 15): MoE shapes no constant was chosen on, predicted at the committed code before they
+#: ran (gpu_h100_O_predicted.txt), every row reported as held out: OLMoE-1B-7B's layer (64 experts of 1,024 top-8,
+#: query/key norms, MHA), Mixtral-8x7B's (8 of 14,336 top-2), Granite-3.0-3B-A800M's (40 of 512 top-8), Qwen1.5-MoE's
+#: (60 of 1,408 top-4 and a 5,632 shared expert) and DeepSeek-V2-Lite's (MLA, 64 of 1,408 top-6, two shared, the first
+#: layer dense), a few layers each to fit one H100; routed as Megatron routes an untrained model unless forced
+OLMOE = {**MOE, "num_layers": 4, "hidden_size": 2048, "num_attention_heads": 16, "num_query_groups": 16,
+         "ffn_hidden_size": 1024, "num_experts": 64, "moe_router_topk": 8, "moe_ffn_hidden_size": 1024,
+         "vocab_size": 50304, "qk_layernorm": True}
+MIXTRAL_L2 = {**MOE, "num_layers": 2, "hidden_size": 4096, "num_attention_heads": 32, "num_query_groups": 8,
+              "ffn_hidden_size": 14336, "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 14336}
+GRANITE = {**MOE, "num_layers": 8, "hidden_size": 1536, "num_attention_heads": 24, "num_query_groups": 8,
+           "ffn_hidden_size": 512, "num_experts": 40, "moe_router_topk": 8, "moe_ffn_hidden_size": 512, "vocab_size": 49152}
+QWEN15 = {**MOE, "num_layers": 4, "hidden_size": 2048, "num_attention_heads": 16, "num_query_groups": 16,
+          "ffn_hidden_size": 5632, "num_experts": 60, "moe_router_topk": 4, "moe_ffn_hidden_size": 1408,
+          "moe_shared_expert_intermediate_size": 5632, "vocab_size": 151936}
+V2LITE_TE = {**V2LITE_MOE, "num_layers": 4, "moe_layer_freq": [0, 1, 1, 1]}
+RUN_O = {"warmup_steps": 2, "measure_steps": 6, "profile_steps": None}
+
+
+def fresh_rows() -> list[tuple[str, Plan, int]]:
+    a2a = {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", **NO_MASK}
+    forced, fused = {**a2a, "moe_router_force_load_balancing": True}, {**a2a, "moe_permute_fusion": True}
+    ag = {**a2a, "moe_token_dispatcher_type": "allgather"}
+    drop = {**a2a, "moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+
+    def one(model: dict, impl: dict, mbs: int = 1, train: dict | None = None) -> Plan:
+        return plan(model, 1, seq=4096, gbs=8 * mbs, mbs=mbs, impl=impl, train=train)
+
+    return [("O_olmoe", one(OLMOE, a2a), 1),
+            ("O_mixtral_l2", one(MIXTRAL_L2, a2a), 1),
+            ("O_granite_mbs2", one(GRANITE, a2a, 2), 1),
+            ("O_qwen15_shared", one(QWEN15, a2a), 1),
+            ("O_v2lite", one(V2LITE_TE, a2a), 1),
+            ("O_olmoe_forced_mbs2", one(OLMOE, forced, 2), 1),
+            ("O_mixtral_l2_allgather", one(MIXTRAL_L2, ag), 1),
+            ("O_olmoe_fp8cs", one(OLMOE, a2a, train=TENSORWISE), 1),
+            ("O_granite_droppad", one(GRANITE, drop, 2), 1),
+            ("O_qwen15_permfused", one(QWEN15, fused), 1),
+            ("O_v2lite_forced_mbs2", one(V2LITE_TE, forced, 2), 1),
+            ("O_olmoe_b", one(OLMOE, a2a), 1)]
+
+
+def fresh_spec_lines() -> list[dict]:
+    return [_line(name, p, n, RUN_O, te=True) for name, p, n in fresh_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun", "repeat", "misses", "graphs"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun", "repeat", "misses", "graphs", "fresh"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -817,7 +863,8 @@ def main(argv: list[str] | None = None) -> None:
                          "rerun: the W_* plans (s4's and s3's MoE plans again, with the host probe); "
                          "repeat: the X_* plans (one-GPU MoE plans of F and H again, some twice, on one machine); "
                          "misses: the Y_* plans (one-GPU 128 experts as routed, cuBLASLt's heuristics cache as is, off, 8x); "
-                         "graphs: the Z_* plans (CUDA graphs on one GPU: MoE router/preprocess, drop-and-pad whole layer, dense)")
+                         "graphs: the Z_* plans (CUDA graphs on one GPU: MoE router/preprocess, drop-and-pad whole layer, dense); "
+                         "fresh: the O_* plans (MoE shapes no constant was chosen on, one GPU, all held out)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
@@ -827,7 +874,7 @@ def main(argv: list[str] | None = None) -> None:
                  "te_trace": te_trace_spec_lines, "local_check": local_check_spec_lines,
                  "ep_overlap": ep_overlap_spec_lines, "fp8_experts": fp8_experts_spec_lines,
                  "rerun": rerun_spec_lines, "repeat": repeat_spec_lines, "misses": misses_spec_lines,
-                 "graphs": graphs_spec_lines}.get(
+                 "graphs": graphs_spec_lines, "fresh": fresh_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None
