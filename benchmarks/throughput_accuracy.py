@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import megatron_rows  # noqa: E402
 from _probe import probe_plan  # noqa: E402  (benchmarks/ is not a package)
+from configs_multi import held_out as multi_held_out  # noqa: E402
 from report_multi import ran_plan, with_machine_probes  # noqa: E402  (the plan as a job ran it, on the GPU it ran on)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -353,8 +353,9 @@ def _moe_key(c: Case) -> str:
 
 
 def moe_held_out(c: Case) -> bool:
-    """Issue 15's held-out rule for the MoE rows, fixed before any MoE constant: crc32(name) % 3 == 0."""
-    return zlib.crc32(_moe_key(c).encode()) % 3 == 0
+    """Issue 15's held-out rule for the MoE rows, fixed before any MoE constant: crc32(name) % 3 == 0, and every row
+    of a set declared held out before it ran (configs_multi.held_out: the O set)."""
+    return multi_held_out(_moe_key(c))
 
 
 def moe_section(one: list[Case], multi: list[Case], pub: list[Case]) -> list[str]:
@@ -363,7 +364,7 @@ def moe_section(one: list[Case], multi: list[Case], pub: list[Case]) -> list[str
     groups = (("one GPU (Megatron-LM's loop)", [c for c in one if _is_moe(c)]),
               ("several GPUs (Megatron-LM's loop)", [c for c in multi if _is_moe(c)]),
               ("published (bare-metal hosts)", [c for c in pub if _is_moe(c)]))
-    lines = ["5. MoE rows (issue 15): step time error (predicted / measured - 1); held out: crc32(name) % 3 == 0",
+    lines = ["5. MoE rows (issue 15): step time error (predicted / measured - 1); held out: crc32(name) % 3 == 0 and the O set",
              f"{'run':52s} {'':8s} {'pred s':>8s} {'err %':>7s}  largest part of the MoE layer (share), its parts in ms"]
     every = []
     for title, cases in groups:

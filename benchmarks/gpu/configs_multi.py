@@ -62,7 +62,8 @@ MEMORY_PEAK_ENV = {"MCORE_ADVISOR_MEMORY_PEAK": "1"}
 
 
 def held_out(name: str) -> bool:
-    return zlib.crc32(name.encode()) % 3 == 0
+    """The crc32 third; every O_* row (the fresh set, declared held out before it ran)."""
+    return name.startswith("O_") or zlib.crc32(name.encode()) % 3 == 0
 
 
 def plan(model: dict, n: int, *, seq: int, gbs: int, mbs: int = 1, par: dict | None = None,
@@ -833,18 +834,40 @@ def fresh_rows() -> list[tuple[str, Plan, int]]:
             ("O_granite_droppad", one(GRANITE, drop, 2), 1),
             ("O_qwen15_permfused", one(QWEN15, fused), 1),
             ("O_v2lite_forced_mbs2", one(V2LITE_TE, forced, 2), 1),
-            ("O_olmoe_b", one(OLMOE, a2a), 1)]
+            ("O_olmoe_b", one(OLMOE, a2a), 1),
+            ("O_mixtral_l2_forced", one(MIXTRAL_L2, forced), 1)]
 
 
 def fresh_spec_lines() -> list[dict]:
     return [_line(name, p, n, RUN_O, te=True) for name, p, n in fresh_rows()]
 
 
+def fresh_ep2_rows() -> list[tuple[str, Plan, int]]:
+    """The O set's families under EP2 on two GPUs (the dense part data-parallel), held out like the O set."""
+    a2a = {"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", **NO_MASK}
+    forced = {**a2a, "moe_router_force_load_balancing": True}
+    ep2 = {"expert_model_parallel_size": 2}
+
+    def two(model: dict, impl: dict, mbs: int = 1) -> Plan:
+        return plan(model, 2, seq=4096, gbs=16 * mbs, mbs=mbs, par=ep2, impl=impl)
+
+    return [("O_olmoe_ep2", two(OLMOE, a2a), 2),
+            ("O_granite_ep2_mbs2_forced", two(GRANITE, forced, 2), 2),
+            ("O_qwen15_ep2", two(QWEN15, a2a), 2),
+            ("O_mixtral_l2_ep2_forced", two(MIXTRAL_L2, forced), 2),
+            ("O_v2lite_ep2", two(V2LITE_TE, a2a), 2),
+            ("O_olmoe_ep2_forced", two(OLMOE, forced), 2)]
+
+
+def fresh_ep2_spec_lines() -> list[dict]:
+    return [_line(name, p, n, RUN_O, te=True) for name, p, n in fresh_ep2_rows()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=2, choices=(2, 4))
     ap.add_argument("--out", default=str(SPECS))
-    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun", "repeat", "misses", "graphs", "fresh"), default="small",
+    ap.add_argument("--set", choices=("small", "large", "routing", "fine", "mask", "cache", "validate", "local", "ranks", "local_more", "mla", "peak", "te_trace", "local_check", "ep_overlap", "fp8_experts", "rerun", "repeat", "misses", "graphs", "fresh", "fresh_ep2"), default="small",
                     help="small: s4's 0.85B / 0.3B models; large: the L_* plans (Llama-3-8B layers); "
                          "routing: the R_* plans (MoE routing as is and forced, new dense layouts); "
                          "fine: the F_* plans (fine-grained MoE at per-rank shapes, one GPU); "
@@ -864,7 +887,8 @@ def main(argv: list[str] | None = None) -> None:
                          "repeat: the X_* plans (one-GPU MoE plans of F and H again, some twice, on one machine); "
                          "misses: the Y_* plans (one-GPU 128 experts as routed, cuBLASLt's heuristics cache as is, off, 8x); "
                          "graphs: the Z_* plans (CUDA graphs on one GPU: MoE router/preprocess, drop-and-pad whole layer, dense); "
-                         "fresh: the O_* plans (MoE shapes no constant was chosen on, one GPU, all held out)")
+                         "fresh: the O_* plans (MoE shapes no constant was chosen on, one GPU, all held out); "
+                         "fresh_ep2: the same families under EP2 on two GPUs (O_*_ep2, held out)")
     a = ap.parse_args(argv)
     try:
         lines = {"large": large_spec_lines, "routing": lambda: routing_spec_lines(a.gpus), "fine": fine_spec_lines,
@@ -874,7 +898,8 @@ def main(argv: list[str] | None = None) -> None:
                  "te_trace": te_trace_spec_lines, "local_check": local_check_spec_lines,
                  "ep_overlap": ep_overlap_spec_lines, "fp8_experts": fp8_experts_spec_lines,
                  "rerun": rerun_spec_lines, "repeat": repeat_spec_lines, "misses": misses_spec_lines,
-                 "graphs": graphs_spec_lines, "fresh": fresh_spec_lines}.get(
+                 "graphs": graphs_spec_lines, "fresh": fresh_spec_lines,
+                 "fresh_ep2": fresh_ep2_spec_lines}.get(
             a.set, lambda: spec_lines(a.gpus))()
     except ValueError as e:  # a plan the validators refuse (the mla set since they know MLA needs TE)
         raise SystemExit(f"configs_multi --set {a.set}: {e}") from None

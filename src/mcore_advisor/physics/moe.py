@@ -195,6 +195,30 @@ tokens per rank and micro-batch (benchmarks/results/gpu_h100x2_R_runs.jsonl): 0.
 0.234 with 64 experts top-8 (the two rows outside the held-out third; the held-out twins read 0.186 and
 0.234); with --moe-router-force-load-balancing 0.009 / 0.015, the sampling noise alone."""
 
+UNTRAINED_LOAD_CV_RANGE = {True: (0.12, 0.85), False: (0.84, 2.82)}
+"""Expert-load spreads the profile job's routing record measured on as-routed runs (untrained routers, Megatron's mock
+data), by whether the model has a shared expert: with one 0.12-0.45 (0.81-0.85 at hidden 1,024 and 64 experts), without
+one 0.84 (Mixtral's layers) to 2.82 (a 128-expert rank). UNTRAINED_EXPERT_LOAD_CV under-states it there: the O set's
+as-routed one-GPU steps ran 14-30% over the prediction made with it and within 15% with the measured spread
+(benchmarks/results/gpu_h100_O_summary.md). No mechanism predicts the spread yet: Megatron's own model at initialisation
+(benchmarks/untrained_router_spread.py) shows it growing layer by layer on OLMoE's layers but not on Mixtral's, whose
+measured spread comes after the job's first optimizer steps. Stated with a prediction, never used in one."""
+
+
+def load_spread_assumption(cv: float | None, forced: bool, has_shared: bool) -> str:
+    """How a prediction spreads the tokens over the experts (expert_load_cv's inputs), and how sure that is."""
+    if cv is not None:
+        return f"expert-load spread {cv:g} (implementation.moe_expert_load_cv: measured, a profile job's routing record)"
+    if forced:
+        return "expert loads balanced (--moe-router-force-load-balancing): sampling noise only"
+    lo, hi = UNTRAINED_LOAD_CV_RANGE[has_shared]
+    return (f"an untrained router's expert-load spread {UNTRAINED_EXPERT_LOAD_CV:g} (std / mean of tokens per expert) "
+            f"assumed; as-routed runs {'with' if has_shared else 'without'} a shared expert measured {lo:g}-{hi:g}"
+            + ("" if has_shared else ", and one-GPU steps ran 14-30% over this assumption's prediction")
+            + ": set implementation.moe_expert_load_cv from a profile job's routing record, or force the balance "
+            "(moe_router_force_load_balancing) for a benchmark")
+
+
 CUBLASLT_HEURISTICS_CACHE_KEYS = 8192
 """cuBLASLt's heuristics cache: the algorithm chosen for each GEMM problem (its shape among the key) is kept for
 this many problems (NVIDIA cuBLAS documentation, heuristics cache: default capacity 8192, environment variable

@@ -110,6 +110,7 @@ from mcore_advisor.physics.moe import (
     dense_halves,
     dominant_part,
     host_syncs_per_layer,
+    load_spread_assumption,
     moe_layer,
 )
 from mcore_advisor.schemas import ClusterSpec, ModelShape, Plan, parallel_dims
@@ -1668,8 +1669,11 @@ def _assumptions(plan: Plan, hw: HardwareParams) -> list[str]:
         out.append("FP8 GEMMs for every transformer linear layer (TE), output layer and attention in bf16; cast/transpose bytes added")
     if p.tp_comm_overlap and not (p.sequence_parallel and p.tensor_model_parallel_size > 1):
         out.append("tp_comm_overlap ignored: it needs sequence_parallel with TP > 1")
-    if plan.model.num_experts or resolve_model(plan.model).is_moe:
+    shape = resolve_model(plan.model)
+    if shape.is_moe:
         out.append(_moe_assumption(im))
+        out.append(load_spread_assumption(im.moe_expert_load_cv, im.moe_router_force_load_balancing,
+                                          bool(shape.moe_shared_expert_intermediate_size)))
     if im.use_torch_fsdp2 or im.use_megatron_fsdp:
         kind = f"Megatron-FSDP {im.data_parallel_sharding_strategy}" if im.use_megatron_fsdp else "torch FSDP2"
         out.append(f"{kind}: sharded gradients reduce-scattered and sharded weights all-gathered (forward and "
