@@ -66,8 +66,8 @@ def main() -> None:
     lines += ["", "summary:"]
     for s in sorted({s for s, _ in scored}):
         lines += score([x for x in scored if x[0] == s], s)
-    probe = [x for x in scored if x[0] in ("gpu_h100x4_L", "gpu_h100x2_R", "gpu_h100x2_S", "gpu_h100x2_R2", "gpu_h100x4_M", "gpu_h200x4_C", "gpu_h100x4_C", "gpu_h100x4_V", "gpu_h200x2_T", "gpu_h200x2_E", "gpu_h200x2_R3", "gpu_h200x4_W")]
-    lines += score(probe, "sets with the job's host probe (L, R, S, R2, M, C, V, T, E, R3, W)")
+    probe = [x for x in scored if x[0] in ("gpu_h100x4_L", "gpu_h100x2_R", "gpu_h100x2_S", "gpu_h100x2_R2", "gpu_h100x4_M", "gpu_h200x4_C", "gpu_h100x4_C", "gpu_h100x4_V", "gpu_h200x2_T", "gpu_h200x2_E", "gpu_h200x2_R3", "gpu_h200x4_W", "gpu_h200x2_O2")]
+    lines += score(probe, "sets with the job's host probe (L, R, S, R2, M, C, V, T, E, R3, W, O2)")
     # without Transformer Engine the job's probe times torch modules, which as_ran does not read: the N set is
     # predicted on the catalog's host figure, as a user's plan is
     lines += score([x for x in scored if x[0] in ("gpu_h100x4_N", "gpu_h100x4_N2", "gpu_h200x4_G", "gpu_h200x2_P", "gpu_h200x2_P2", "gpu_h200x4_Q")],
