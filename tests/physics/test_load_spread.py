@@ -72,3 +72,31 @@ def test_each_range_is_reached(shared):
     """The ranges are the records' extremes, not padded guesses."""
     cvs = [round(cv, 2) for _, s, cv in _as_routed_spreads() if s == shared]
     assert min(cvs) == UNTRAINED_LOAD_CV_RANGE[shared][0] and max(cvs) == pytest.approx(UNTRAINED_LOAD_CV_RANGE[shared][1], abs=0.01)
+
+
+def _codes(model: dict, **impl) -> list[str]:
+    from mcore_advisor.physics.evaluate import evaluate_plan
+    plan = Plan(model=model, cluster={"gpu": "h100-sxm", "num_gpus": 1},
+                training={"seq_length": 4096, "global_batch_size": 8, "micro_batch_size": 1},
+                implementation={"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", **impl})
+    return [f.code for f in evaluate_plan(plan).findings]
+
+
+def test_as_routed_plan_without_shared_expert_is_warned_with_the_fix():
+    from mcore_advisor.physics.evaluate import evaluate_plan
+    plan = Plan(model=OLMOE, cluster={"gpu": "h100-sxm", "num_gpus": 1},
+                training={"seq_length": 4096, "global_batch_size": 8, "micro_batch_size": 1},
+                implementation={"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall"})
+    f = next(f for f in evaluate_plan(plan).findings if f.code == "moe_untrained_load_spread")
+    assert f.severity == "warning" and "0.84-2.82" in f.message and "moe_expert_load_cv" in f.fix
+    assert "implementation.moe_router_force_load_balancing" in f.fields
+
+
+@pytest.mark.parametrize("model, impl", [
+    ({**OLMOE, "moe_shared_expert_intermediate_size": 5632}, {}),
+    (OLMOE, {"moe_router_force_load_balancing": True}),
+    (OLMOE, {"moe_expert_load_cv": 1.8}),
+    (OLMOE, {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}),
+])
+def test_no_spread_warning_where_the_spread_is_known_or_harmless(model, impl):
+    assert "moe_untrained_load_spread" not in _codes(model, **impl)

@@ -13,9 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from mcore_advisor.knowledge.hardware import gpu
 from mcore_advisor.knowledge.models import resolve_model
 from mcore_advisor.physics.memory import MemoryBreakdown, memory_breakdown
-from mcore_advisor.physics.moe import CUBLASLT_CACHE_FIX
+from mcore_advisor.physics.moe import CUBLASLT_CACHE_FIX, LOAD_SPREAD_FIX, untrained_spread_statement
 from mcore_advisor.physics.step_time import PerfEstimate, step_time
-from mcore_advisor.schemas import Finding, ModelShape, Plan, parallel_dims
+from mcore_advisor.schemas import Finding, ModelShape, Plan, pads_to_capacity, parallel_dims
 from mcore_advisor.validators import validate
 
 
@@ -96,7 +96,7 @@ def evaluate_plan(plan: Plan) -> Evaluation:
     else:
         perf = step_time(plan, shape)
         findings = blocking_first(findings + host_bound_findings(perf, plan) + dataloader_mask_findings(perf)
-                                  + expert_cache_findings(perf))
+                                  + expert_cache_findings(perf) + load_spread_findings(plan, shape))
     feasible = not has_error and memory is not None and memory.fits
     return Evaluation(
         valid=not has_error,
@@ -135,6 +135,22 @@ def host_bound_findings(perf: PerfEstimate, plan: Plan) -> list[Finding]:
         fix=(f"a larger micro-batch (more GPU work per launch){checks}; a faster host (bare metal) shrinks it; "
              "to predict for your machine, run one profile job there (run_profile_job) and pass the "
              "host_floor_ms_per_layer get_job reports as cluster.host_floor_ms_per_layer"),
+    )]
+
+
+def load_spread_findings(plan: Plan, shape: ModelShape) -> list[Finding]:
+    """A finding when an as-routed MoE plan without a shared expert is predicted on the assumed untrained spread: such
+    routers measured 4-13x that spread, and the step ran 14-30% over the prediction (physics.moe.UNTRAINED_LOAD_CV_RANGE)."""
+    im = plan.implementation
+    if (not shape.is_moe or shape.moe_shared_expert_intermediate_size or im.moe_router_force_load_balancing
+            or im.moe_expert_load_cv is not None
+            or pads_to_capacity(im.moe_expert_capacity_factor, im.moe_pad_expert_input_to_capacity)):
+        return []
+    return [Finding(
+        code="moe_untrained_load_spread", severity="warning",
+        fields=["implementation.moe_expert_load_cv", "implementation.moe_router_force_load_balancing"],
+        message=f"the step is likely under-predicted: {untrained_spread_statement(False)} (benchmarks/results/gpu_h100_O_summary.md)",
+        fix=LOAD_SPREAD_FIX,
     )]
 
 

@@ -205,18 +205,25 @@ as-routed one-GPU steps ran 14-30% over the prediction made with it and within 1
 measured spread comes after the job's first optimizer steps. Stated with a prediction, never used in one."""
 
 
+LOAD_SPREAD_FIX = ("set implementation.moe_expert_load_cv from a profile job's routing record (get_job fills it in), or "
+                   "force the balance (moe_router_force_load_balancing) for a benchmark")
+
+
+def untrained_spread_statement(has_shared: bool) -> str:
+    """What an as-routed prediction assumes of the router's spread, and how far measured runs were from it."""
+    lo, hi = UNTRAINED_LOAD_CV_RANGE[has_shared]
+    return (f"an untrained router's expert-load spread {UNTRAINED_EXPERT_LOAD_CV:g} (std / mean of tokens per expert) "
+            f"assumed; as-routed runs {'with' if has_shared else 'without'} a shared expert measured {lo:g}-{hi:g}"
+            + ("" if has_shared else ", and one-GPU steps ran 14-30% over this assumption's prediction"))
+
+
 def load_spread_assumption(cv: float | None, forced: bool, has_shared: bool) -> str:
     """How a prediction spreads the tokens over the experts (expert_load_cv's inputs), and how sure that is."""
     if cv is not None:
         return f"expert-load spread {cv:g} (implementation.moe_expert_load_cv: measured, a profile job's routing record)"
     if forced:
         return "expert loads balanced (--moe-router-force-load-balancing): sampling noise only"
-    lo, hi = UNTRAINED_LOAD_CV_RANGE[has_shared]
-    return (f"an untrained router's expert-load spread {UNTRAINED_EXPERT_LOAD_CV:g} (std / mean of tokens per expert) "
-            f"assumed; as-routed runs {'with' if has_shared else 'without'} a shared expert measured {lo:g}-{hi:g}"
-            + ("" if has_shared else ", and one-GPU steps ran 14-30% over this assumption's prediction")
-            + ": set implementation.moe_expert_load_cv from a profile job's routing record, or force the balance "
-            "(moe_router_force_load_balancing) for a benchmark")
+    return f"{untrained_spread_statement(has_shared)}: {LOAD_SPREAD_FIX}"
 
 
 CUBLASLT_HEURISTICS_CACHE_KEYS = 8192
