@@ -2,7 +2,7 @@
 
 Builds megatron-core's own GPTModel (local spec, CPU, gloo world of one: launcher/entry/cpu_shim) at Megatron-LM's
 initialisation (init_method_std 0.02) for an MoE shape, feeds one sample of Megatron's mock data (MockGPTLowLevelDataset:
-documents of token ids 1 .. n-1 and an end-of-document token, n drawn below 4,096) forward, and records each router's
+documents of token ids 1 .. n-1 and an end-of-document token, n drawn below 4,096, built by Megatron's own class) forward, and records each router's
 tokens per expert (TopKRouter's routing_map). Prints and appends, per shape, the spread (population std / mean of the
 tokens per expert) of every MoE layer. A probe at initialisation only: the profile job's routing record comes after its
 warm-up iterations' optimizer steps (benchmarks/results/gpu_h100_O_summary.md says where the two differ).
@@ -33,14 +33,20 @@ SHAPES = {
 }
 
 
-def mock_tokens(seq: int, seed: int = 0) -> np.ndarray:
-    """One sample of Megatron's mock documents (core/datasets/gpt_dataset.py MockGPTLowLevelDataset), 0 as the EOD."""
-    rng = np.random.default_rng(seed)
+def mock_tokens(seq: int, vocab: int) -> np.ndarray:
+    """One sample of Megatron's own mock documents (core/datasets/gpt_dataset.py MockGPTLowLevelDataset, its seed and
+    lengths), documents 0, 1, ... in order (the data loader's shuffle left out), the end-of-document token 0."""
+    from types import SimpleNamespace
+
+    from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+
+    docs = MockGPTLowLevelDataset(SimpleNamespace(vocab_size=vocab, eod=0))
     out: list[int] = []
-    while len(out) < seq:
-        n = int(rng.integers(1, 4096))
-        out += list(range(1, n)) + [0]
-    return np.asarray(out[:seq])
+    for i in range(len(docs)):
+        out += docs[i].tolist()
+        if len(out) >= seq:
+            return np.asarray(out[:seq])
+    raise ValueError(f"mock documents shorter than {seq} tokens")
 
 
 def spread(s: dict) -> list[float]:
@@ -72,7 +78,7 @@ def spread(s: dict) -> list[float]:
 
     for i, layer in enumerate(model.decoder.layers):
         layer.mlp.router.register_forward_hook(record(i))
-    tokens = torch.from_numpy(mock_tokens(s["seq"])).unsqueeze(0)
+    tokens = torch.from_numpy(mock_tokens(s["seq"], s["vocab"])).unsqueeze(0)
     with torch.no_grad():
         model(tokens, torch.arange(s["seq"]).unsqueeze(0), attention_mask=None)
     return [round(float(v.std(unbiased=False) / v.mean()), 3) for _, v in sorted(loads.items())]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mcore_advisor.physics.evaluate import evaluate_plan
 from mcore_advisor.physics.moe import UNTRAINED_LOAD_CV_RANGE
 from mcore_advisor.physics.step_time import step_time
 from mcore_advisor.schemas import Plan
@@ -20,11 +21,14 @@ OLMOE = {"num_layers": 4, "hidden_size": 2048, "num_attention_heads": 16, "num_q
          "num_experts": 64, "moe_router_topk": 8, "moe_ffn_hidden_size": 1024}
 
 
-def _spread_line(model: dict, **impl) -> str:
-    plan = Plan(model=model, cluster={"gpu": "h100-sxm", "num_gpus": 1},
+def _plan(model: dict, **impl) -> Plan:
+    return Plan(model=model, cluster={"gpu": "h100-sxm", "num_gpus": 1},
                 training={"seq_length": 4096, "global_batch_size": 8, "micro_batch_size": 1},
                 implementation={"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", **impl})
-    lines = [a for a in step_time(plan).assumptions if "spread" in a or "balanced" in a]
+
+
+def _spread_line(model: dict, **impl) -> str:
+    lines = [a for a in step_time(_plan(model, **impl)).assumptions if "spread" in a or "balanced" in a]
     assert len(lines) == 1, lines
     return lines[0]
 
@@ -75,19 +79,11 @@ def test_each_range_is_reached(shared):
 
 
 def _codes(model: dict, **impl) -> list[str]:
-    from mcore_advisor.physics.evaluate import evaluate_plan
-    plan = Plan(model=model, cluster={"gpu": "h100-sxm", "num_gpus": 1},
-                training={"seq_length": 4096, "global_batch_size": 8, "micro_batch_size": 1},
-                implementation={"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall", **impl})
-    return [f.code for f in evaluate_plan(plan).findings]
+    return [f.code for f in evaluate_plan(_plan(model, **impl)).findings]
 
 
 def test_as_routed_plan_without_shared_expert_is_warned_with_the_fix():
-    from mcore_advisor.physics.evaluate import evaluate_plan
-    plan = Plan(model=OLMOE, cluster={"gpu": "h100-sxm", "num_gpus": 1},
-                training={"seq_length": 4096, "global_batch_size": 8, "micro_batch_size": 1},
-                implementation={"moe_grouped_gemm": True, "moe_token_dispatcher_type": "alltoall"})
-    f = next(f for f in evaluate_plan(plan).findings if f.code == "moe_untrained_load_spread")
+    f = next(f for f in evaluate_plan(_plan(OLMOE)).findings if f.code == "moe_untrained_load_spread")
     assert f.severity == "warning" and "0.84-2.82" in f.message and "moe_expert_load_cv" in f.fix
     assert "implementation.moe_router_force_load_balancing" in f.fields
 
